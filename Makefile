@@ -1,0 +1,38 @@
+# `make demo` and `make test` do all set-up themselves in a fresh clone.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TINY := .models/tiny-llama
+
+.PHONY: demo test lint install models bench-offline clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+$(TINY)/config.json: $(STAMP)
+	$(BIN)/pdserve make-tiny-model $(TINY) --arch llama --size tiny --seed 0
+
+models: $(TINY)/config.json
+
+demo: models
+	$(BIN)/pdserve demo --model $(TINY)
+
+test: models
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q tests
+
+bench-offline: $(STAMP)
+	test -f .models/bench-llama/config.json || \
+		$(BIN)/pdserve make-tiny-model .models/bench-llama --arch llama --size bench --seed 0
+	$(BIN)/pdserve bench offline --model .models/bench-llama --num-prompts 64 \
+		--input-len 128 --output-len 128 --result-json bench/results/offline.json
+
+clean:
+	rm -rf $(VENV) .models

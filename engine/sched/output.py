@@ -1,0 +1,62 @@
+"""What the scheduler hands the model runner each step, and what comes back.
+
+New requests travel whole (`NewRequestData`); requests the runner already holds travel as
+deltas (`CachedRequestData`: only newly allocated blocks and the computed-token count).
+A preempted request is dropped by the runner (`preempted_req_ids`) and, when it is
+scheduled again, travels whole once more with every token it has so far.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.protocol import Logprobs, SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    token_ids: list[int]  # prompt + outputs generated so far (non-empty after a preemption)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]  # blocks appended to the request's block table this step
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens to compute this step
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
+    preempted_req_ids: set[str] = field(default_factory=set)  # runner drops their state
+    kv_connector_metadata: Any = None
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One entry per scheduled request, in `req_ids` order.
+
+    `sampled_token_ids[i]` is empty when request i only computed part of its prompt.
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[Logprobs | None] = field(default_factory=list)
+    kv_connector_output: Any = None
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
