@@ -12,13 +12,6 @@ from typing import Any
 
 import msgspec
 
-_SAMPLING_FIELDS = (
-    "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
-    "stop", "stop_token_ids", "ignore_eos", "logprobs", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "include_stop_str_in_output",
-    "skip_special_tokens", "output_kind",
-)
-
 
 class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0  # every output carries everything generated so far
@@ -26,8 +19,38 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
+class _StrictFields(type(msgspec.Struct)):
+    """Unknown keyword arguments are a ValueError naming them (msgspec says TypeError)."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        unknown = sorted(set(kwargs) - set(cls.__struct_fields__))
+        if unknown or args:
+            names = ", ".join(unknown) or "positional arguments"
+            raise ValueError(f"unknown sampling field(s): {names}")
+        wrong = [k for k, v in kwargs.items() if not _type_ok(k, v)]
+        if wrong:
+            raise ValueError(f"{wrong[0]} has the wrong type: {kwargs[wrong[0]]!r}")
+        return super().__call__(**kwargs)
+
+
+_NUMERIC = {"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+            "repetition_penalty"}
+_INTS = {"n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs"}
+
+
+def _type_ok(name: str, value: Any) -> bool:
+    if value is None:
+        return name in ("seed", "max_tokens", "logprobs")
+    if name in _NUMERIC:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if name in _INTS:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return True
+
+
 class SamplingParams(
-    msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True
+    msgspec.Struct, metaclass=_StrictFields, kw_only=True, omit_defaults=True,
+    forbid_unknown_fields=True,
 ):
     """Per-request sampling options. Validated on construction; errors name the field."""
 
@@ -49,9 +72,6 @@ class SamplingParams(
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-
-    def __init__(self, **kwargs: Any) -> None:  # noqa: D107 - replaced below
-        raise AssertionError("replaced at import")
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -99,31 +119,6 @@ def _validate_sampling(p: SamplingParams) -> None:
         all(isinstance(t, int) and t >= 0 for t in p.stop_token_ids),
         "stop_token_ids", "must be non-negative integers",
     )
-
-
-_struct_init = msgspec.Struct.__init__
-
-
-def _sampling_init(self: SamplingParams, **kwargs: Any) -> None:
-    unknown = sorted(set(kwargs) - set(_SAMPLING_FIELDS))
-    if unknown:
-        raise ValueError(f"unknown sampling field(s): {', '.join(unknown)}")
-    values = {f: getattr(SamplingParams, "__struct_defaults__")[i]
-              for i, f in enumerate(SamplingParams.__struct_fields__)}
-    values.update(kwargs)
-    for name, value in values.items():
-        if isinstance(value, (list, dict)):
-            value = type(value)(value)
-        setattr(self, name, value)
-    try:
-        checked = msgspec.convert(msgspec.to_builtins(values), SamplingParams, strict=False)
-    except msgspec.ValidationError as e:
-        raise ValueError(f"invalid sampling parameters: {e}") from None
-    for name in SamplingParams.__struct_fields__:
-        setattr(self, name, getattr(checked, name))
-
-
-SamplingParams.__init__ = _sampling_init  # type: ignore[method-assign]
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
