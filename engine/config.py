@@ -95,6 +95,17 @@ class EngineConfig:
                 self, "kv_transfer_config", KVTransferConfig.from_json(self.kv_transfer_config)
             )
 
+    def resolved_max_model_len(self, max_position_embeddings: int) -> int:
+        """The context limit: --max-model-len, capped by what the model's positions allow."""
+        if self.max_model_len is None:
+            return max_position_embeddings
+        if self.max_model_len > max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {max_position_embeddings}"
+            )
+        return self.max_model_len
+
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model

@@ -22,6 +22,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    eos_token_id: int | None = None
 
 
 @dataclass

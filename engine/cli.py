@@ -1,0 +1,60 @@
+"""`pdserve` command line: one entry point, one subcommand per role or tool.
+
+Each subcommand's module is imported only when it runs, so `pdserve proxy` never loads
+torch and `pdserve --help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, function that adds the arguments, function that runs it, help)
+_COMMANDS = {
+    "serve": ("engine.server.cli", "add_serve_args", "serve_main", "run an OpenAI server"),
+    "prefill": ("prefill.cli", "add_args", "main", "run a prefill (P) server"),
+    "decode": ("decode.cli", "add_args", "main", "run a decode (D) server"),
+    "proxy": ("proxy.cli", "add_args", "main", "run the P/D proxy"),
+    "make-tiny-model": ("engine.models.tiny", "add_args", "main", "write a random tiny model"),
+    "demo": ("engine.demo", "add_args", "main", "1P1D + proxy on localhost, streamed"),
+}
+_BENCH = {
+    "offline": ("engine.bench.offline", "add_args", "main", "LLM.generate vs transformers"),
+    "step": ("engine.core.bench_step", "add_args", "main", "step time: ZeroMQ vs in-process"),
+    "serve": ("engine.bench.serve", "add_args", "main", "load generator for an endpoint"),
+    "transfer": ("kvconnector.bench_transfer", "add_args", "main", "KV transfer bandwidth"),
+}
+
+
+def _add(sub: argparse._SubParsersAction, name: str, spec: tuple[str, str, str, str],
+         argv: list[str]) -> None:
+    module, add_name, main_name, help_text = spec
+    parser = sub.add_parser(name, help=help_text)
+    parser.set_defaults(_target=(module, main_name))
+    # Only the chosen subcommand's module is imported (to add its arguments).
+    if name in argv:
+        getattr(importlib.import_module(module), add_name)(parser)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, spec in _COMMANDS.items():
+        _add(sub, name, spec, argv[:1])
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    for name, spec in _BENCH.items():
+        _add(bench, name, spec, argv[1:2] if argv[:1] == ["bench"] else [])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    module, main_name = args._target
+    result = getattr(importlib.import_module(module), main_name)(args)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

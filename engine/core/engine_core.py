@@ -1,0 +1,90 @@
+"""EngineCore: the in-process heart of the engine — schedule, execute, update.
+
+Single-threaded by contract: every method runs on the thread that owns the core (the
+caller's thread in-process, the busy-loop thread in EngineCoreProc).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.kv_connector import make_connector
+from engine.protocol import EngineCoreOutputs, EngineCoreRequest
+from engine.sched.request import Request, RequestStatus
+from engine.sched.scheduler import Scheduler
+from engine.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Owns the scheduler and the model runner. `step()` is the whole pipeline."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.num_kv_blocks = self.runner.num_kv_blocks
+        sched_conn, worker_conn = make_connector(config, self.runner.kv_cache_spec)
+        if worker_conn is not None:
+            worker_conn.register_kv_caches(self.runner.kv_cache)
+        self.runner.connector = worker_conn
+        self.scheduler = Scheduler(
+            block_size=config.block_size,
+            num_blocks=self.num_kv_blocks,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.runner.max_model_len,
+            enable_prefix_caching=config.enable_prefix_caching,
+            connector=sched_conn,
+        )
+        self.worker_connector = worker_conn
+        logger.info("engine core ready: %d KV blocks of %d tokens", self.num_kv_blocks,
+                    config.block_size)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request {request.request_id} is already running")
+        self.scheduler.add_request(Request.from_engine_core_request(request))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> EngineCoreOutputs:
+        """Schedule → execute → update. Returns the outputs of this step (maybe none)."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=time.time()
+        )
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # Utility calls (also reachable over the utility RPC of EngineCoreProc).
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def get_supported_tasks(self) -> list[str]:
+        return ["generate"]
+
+    def get_stats(self) -> dict[str, Any]:
+        """Block and table accounting, for tests and debugging."""
+        stats: dict[str, Any] = {
+            "num_kv_blocks": self.num_kv_blocks,
+            "num_free_blocks": self.scheduler.kv_cache_manager.num_free_blocks,
+            "num_unfinished_requests": self.scheduler.get_num_unfinished_requests(),
+            "num_runner_requests": self.runner.num_requests,
+        }
+        for half in (self.scheduler.connector, self.worker_connector):
+            if half is not None:
+                stats.update(half.table_sizes())
+        return stats
+
+    def shutdown(self) -> None:
+        if self.worker_connector is not None:
+            self.worker_connector.shutdown()

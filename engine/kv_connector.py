@@ -1,0 +1,119 @@
+"""The KV-connector interface the scheduler and the model runner call, and a registry.
+
+A connector has two halves that live in the same EngineCore process (TP = 1):
+- the scheduler half runs on the engine-core thread inside `Scheduler.schedule()` /
+  `update_from_output()`;
+- the worker half runs on the same thread inside `ModelRunner.execute_model()`, and may
+  own background threads of its own (the push writer).
+The engine knows connectors only by name (`kv_transfer_config.kv_connector`); the
+`kvconnector` package registers its classes here on import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What a connector needs to know about this engine's KV cache layout."""
+
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    bytes_per_block: int  # one block across every layer, K and V (contiguous)
+    model_name: str
+
+
+@dataclass
+class KVConnectorOutput:
+    """Worker half → scheduler half, once per step."""
+
+    finished_sending: set[str] = field(default_factory=set)  # P: blocks may be freed
+    finished_recving: set[str] = field(default_factory=set)  # D: KV landed
+    failed_recving: dict[str, str] = field(default_factory=dict)  # D: id -> reason
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class KVConnectorScheduler:
+    """Scheduler half. Every method is called on the engine-core thread."""
+
+    load_failure_policy: str = "recompute"
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """Tokens the remote side will provide beyond the local hit, and whether async."""
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        return None
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """Return (delay_free, kv_transfer_params for the final output)."""
+        return False, None
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        return None
+
+    def has_pending_work(self) -> bool:
+        return False
+
+    def table_sizes(self) -> dict[str, int]:
+        return {}
+
+
+class KVConnectorWorker:
+    """Worker half. Called on the engine-core thread; may own background threads."""
+
+    def register_kv_caches(self, kv_cache: Any) -> None:
+        return None
+
+    def start_load_kv(self, metadata: Any) -> None:
+        return None
+
+    def get_finished(self) -> KVConnectorOutput:
+        return KVConnectorOutput()
+
+    def table_sizes(self) -> dict[str, int]:
+        return {}
+
+    def shutdown(self) -> None:
+        return None
+
+
+# name -> "module:SchedulerClass:WorkerClass"
+_REGISTRY: dict[str, str] = {
+    "NixlConnector": "kvconnector.pull.connector:PullScheduler:PullWorker",
+    "NixlPushConnector": "kvconnector.push.connector:PushScheduler:PushWorker",
+}
+
+
+def register_connector(name: str, target: str) -> None:
+    _REGISTRY[name] = target
+
+
+def make_connector(config: EngineConfig, spec: KVCacheSpec
+                   ) -> tuple[KVConnectorScheduler | None, KVConnectorWorker | None]:
+    """Build both halves of the configured connector, or (None, None) without one."""
+    kv = config.kv_transfer_config
+    if kv is None:
+        return None, None
+    if kv.kv_connector not in _REGISTRY:
+        raise ValueError(
+            f"unknown kv_connector {kv.kv_connector!r}; known: {', '.join(sorted(_REGISTRY))}"
+        )
+    module_name, sched_name, worker_name = _REGISTRY[kv.kv_connector].split(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, sched_name)(config, spec), getattr(module, worker_name)(config, spec)

@@ -1,0 +1,159 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass and sampled tokens.
+
+It keeps a cached copy of every scheduled request's tokens and block table, updated by
+the deltas of each SchedulerOutput; it appends the tokens it samples itself, so the
+scheduler never resends them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_connector import KVCacheSpec, KVConnectorWorker
+from engine.models import load_arch, load_model
+from engine.protocol import SamplingParams
+from engine.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from engine.worker.attention import AttentionMetadata, PagedAttention, SeqSpan
+from engine.worker.sampler import Sampler, build_sampling_metadata
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_KV_GIB = 1.0
+
+
+@dataclass
+class CachedRequest:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_id: int | None
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_new(cls, new: NewRequestData) -> CachedRequest:
+        gen = None
+        if new.sampling_params.seed is not None:
+            gen = torch.Generator().manual_seed(new.sampling_params.seed)
+        return cls(new.req_id, list(new.token_ids), new.num_prompt_tokens,
+                   new.sampling_params, list(new.block_ids), new.num_computed_tokens,
+                   new.eos_token_id, gen)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.arch = load_arch(config.model)
+        self.model = load_model(config.model, config.dtype, config.device)
+        self.max_model_len = config.resolved_max_model_len(self.arch.max_position_embeddings)
+        self.block_size = config.block_size
+        self.kv_cache_spec = self._kv_cache_spec()
+        self.num_kv_blocks = self.kv_cache_spec.num_blocks
+        a = self.arch
+        self.kv_cache = torch.zeros(
+            self.num_kv_blocks, a.num_layers, 2, self.block_size, a.num_kv_heads, a.head_dim,
+            dtype=self.model.dtype, device=self.device,
+        )
+        self.scale = a.head_dim ** -0.5
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequest] = {}
+        self.connector: KVConnectorWorker | None = None
+
+    def _kv_cache_spec(self) -> KVCacheSpec:
+        a = self.arch
+        itemsize = torch.empty((), dtype=self.model.dtype).element_size()
+        per_block = a.num_layers * 2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize
+        num_blocks = self.config.num_kv_blocks
+        if num_blocks is None:
+            gib = self.config.kv_cache_memory_gib or _DEFAULT_KV_GIB
+            num_blocks = int(gib * (1 << 30)) // per_block
+        if num_blocks < 2:
+            raise ValueError(f"KV cache too small: {num_blocks} blocks of {per_block} bytes")
+        return KVCacheSpec(
+            num_blocks=num_blocks, block_size=self.block_size, num_layers=a.num_layers,
+            num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+            dtype=str(self.model.dtype).removeprefix("torch."), bytes_per_block=per_block,
+            model_name=self.config.model_name,
+        )
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids | so.preempted_req_ids:
+            self.requests.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequest.from_new(new)
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if self.connector is not None:
+            self.connector.start_load_kv(so.kv_connector_metadata)
+        out = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        if not so.is_empty:
+            out = self._run(so)
+        if self.connector is not None:
+            out.kv_connector_output = self.connector.get_finished()
+        return out
+
+    def _run(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        ids = [n.req_id for n in so.scheduled_new_reqs]
+        ids += [c.req_id for c in so.scheduled_cached_reqs]
+        tokens: list[int] = []
+        positions: list[int] = []
+        spans: list[SeqSpan] = []
+        sample_rows: list[int] = []
+        sampling: list[CachedRequest] = []
+        for rid in ids:
+            state = self.requests[rid]
+            n = so.num_scheduled_tokens[rid]
+            start = state.num_computed_tokens
+            spans.append(SeqSpan(len(tokens), n, start + n, state.block_ids))
+            tokens.extend(state.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            state.num_computed_tokens = start + n
+            if state.num_computed_tokens == len(state.token_ids):
+                sample_rows.append(len(tokens) - 1)
+                sampling.append(state)
+        meta = AttentionMetadata(spans, self.block_size, self.device)
+        attn = PagedAttention(self.kv_cache, meta, self.scale)
+        hidden = self.model(
+            torch.tensor(tokens, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            attn,
+        )
+        sampled_by_id: dict[str, tuple[int, object]] = {}
+        if sampling:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            smeta = build_sampling_metadata(
+                [s.params for s in sampling],
+                [s.token_ids[:s.num_prompt_tokens] for s in sampling],
+                [s.token_ids[s.num_prompt_tokens:] for s in sampling],
+                [s.generator for s in sampling],
+                [s.eos_token_id for s in sampling],
+            )
+            result = self.sampler(logits, smeta)
+            token_list = result.sampled_token_ids.tolist()
+            for i, state in enumerate(sampling):
+                state.token_ids.append(token_list[i])
+                lp = result.logprobs[i] if result.logprobs else None
+                sampled_by_id[state.req_id] = (token_list[i], lp)
+        out = ModelRunnerOutput(req_ids=ids, sampled_token_ids=[], logprobs=[])
+        for rid in ids:
+            tok, lp = sampled_by_id.get(rid, (None, None))
+            out.sampled_token_ids.append([] if tok is None else [tok])
+            out.logprobs.append(lp)
+        return out
