@@ -47,6 +47,10 @@ class KVConnectorScheduler:
 
     load_failure_policy: str = "recompute"
 
+    def on_request_added(self, request: Any) -> None:
+        """A request entered the scheduler (before any block is allocated for it)."""
+        return None
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         """Tokens the remote side will provide beyond the local hit, and whether async."""
@@ -73,6 +77,10 @@ class KVConnectorScheduler:
     def table_sizes(self) -> dict[str, int]:
         return {}
 
+    def get_stats(self) -> dict[str, float]:
+        """Cumulative counters, named like the Prometheus metrics without the prefix."""
+        return {}
+
 
 class KVConnectorWorker:
     """Worker half. Called on the engine-core thread; may own background threads."""
@@ -87,6 +95,9 @@ class KVConnectorWorker:
         return KVConnectorOutput()
 
     def table_sizes(self) -> dict[str, int]:
+        return {}
+
+    def get_stats(self) -> dict[str, float]:
         return {}
 
     def shutdown(self) -> None:

@@ -1,0 +1,33 @@
+"""EngineCore clients. `make_client` picks one for the frontend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.client.base import EngineCoreClient, EngineDeadError
+from engine.config import EngineConfig
+
+__all__ = ["EngineCoreClient", "EngineDeadError", "make_client"]
+
+
+def make_client(
+    config: EngineConfig, *, multiprocess: bool, asyncio_mode: bool, **kwargs: Any
+) -> EngineCoreClient:
+    """In-process, sync multiprocess or async multiprocess client.
+
+    `kwargs` go to the multiprocess clients (use_tcp, host, startup_timeout_s,
+    utility_timeout_s, shutdown_timeout_s, engine_index).
+    """
+    if multiprocess:
+        from engine.client.async_mp_client import AsyncMPClient
+        from engine.client.mp_client import SyncMPClient
+
+        cls = AsyncMPClient if asyncio_mode else SyncMPClient
+        return cls(config, **kwargs)
+    if asyncio_mode:
+        from engine.client.async_inproc import AsyncInprocClient
+
+        return AsyncInprocClient(config)
+    from engine.client.inproc import InprocClient
+
+    return InprocClient(config)

@@ -63,6 +63,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.block_hashes: list[int] = []  # chained hashes of full blocks (prefix cache)
+        # Tokens a KV connector provides beyond the local prefix hit (set when scheduled).
+        self.num_external_computed_tokens = 0
+        self.first_scheduled_time: float | None = None  # scheduler clock; queue-time metric
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:

@@ -1,0 +1,92 @@
+"""`pdserve bench offline`: our LLM.generate against transformers' batched generate.
+
+Both run in the same process on the same random prompts (fixed input length, greedy,
+exactly --output-len new tokens each), one after the other; the result is the ratio of
+their output-token throughputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from typing import Any
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="local Hugging Face model directory")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--hf-batch-size", type=int, default=0,
+                        help="transformers batch size (0 = all prompts at once)")
+    parser.add_argument("--skip-hf", action="store_true", help="measure only pdserve")
+    parser.add_argument("--result-json", default=None)
+
+
+def _prompts(model: str, n: int, length: int, seed: int) -> list[list[int]]:
+    from engine.models import load_arch
+    from engine.models.tokenizer import Tokenizer
+
+    vocab = load_arch(model).vocab_size
+    special = set(Tokenizer.from_dir(model).all_special_ids)
+    rng = random.Random(seed)
+    allowed = [t for t in range(vocab) if t not in special]
+    return [[rng.choice(allowed) for _ in range(length)] for _ in range(n)]
+
+
+def _run_ours(args: argparse.Namespace, prompts: list[list[int]]) -> float:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    llm.shutdown()
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    return produced / elapsed
+
+
+def _run_hf(args: argparse.Namespace, prompts: list[list[int]]) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32).eval()
+    bs = args.hf_batch_size or len(prompts)
+    produced = 0
+    with torch.inference_mode():
+        model.generate(torch.tensor(prompts[:2]), max_new_tokens=2, do_sample=False)
+        start = time.perf_counter()
+        for i in range(0, len(prompts), bs):
+            batch = torch.tensor(prompts[i:i + bs])
+            out = model.generate(
+                batch, attention_mask=torch.ones_like(batch), max_new_tokens=args.output_len,
+                min_new_tokens=args.output_len, do_sample=False,
+            )
+            produced += (out.shape[1] - batch.shape[1]) * batch.shape[0]
+        elapsed = time.perf_counter() - start
+    return produced / elapsed
+
+
+def main(args: argparse.Namespace) -> int:
+    prompts = _prompts(args.model, args.num_prompts, args.input_len, args.seed)
+    ours = _run_ours(args, prompts)
+    result: dict[str, Any] = {
+        "model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
+        "output_len": args.output_len, "tokens_per_s": round(ours, 1),
+    }
+    if not args.skip_hf:
+        hf = _run_hf(args, prompts)
+        result.update(hf_tokens_per_s=round(hf, 1), ratio=round(ours / hf, 3))
+    print(json.dumps(result, indent=2))
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0

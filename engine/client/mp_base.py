@@ -1,0 +1,110 @@
+"""What the sync and async multiprocess clients share: the core process, encoding, decoding
+of outputs (the ENGINE_CORE_DEAD sentinel included) and death bookkeeping."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from typing import Any
+
+import msgspec
+import zmq
+
+from engine.client.base import EngineCoreClient, EngineDeadError
+from engine.client.core_process import DEFAULT_STARTUP_TIMEOUT_S, CoreProcess
+from engine.config import EngineConfig
+from engine.core.messages import ENGINE_CORE_DEAD
+from engine.protocol import EngineCoreOutputs, EngineCoreRequestType, UtilityOutput
+from engine.serial import MsgpackDecoder, MsgpackEncoder
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 100  # how often readers look at the process-exit flag while idle
+
+
+class UtilityCallError(RuntimeError):
+    """A utility method raised inside the engine core."""
+
+
+class MPClientBase(EngineCoreClient):
+    """Process lifecycle, encoding, output dispatch and death bookkeeping shared by both."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        engine_index: int = 0,
+        use_tcp: bool = False,
+        host: str = "127.0.0.1",
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        utility_timeout_s: float = 60.0,
+        shutdown_timeout_s: float = 5.0,
+    ) -> None:
+        self.config = config
+        self.engine_index = engine_index
+        self.utility_timeout_s = utility_timeout_s
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.ctx = zmq.Context()
+        try:
+            self.core = CoreProcess(config, self.ctx, engine_index=engine_index,
+                                    use_tcp=use_tcp, host=host,
+                                    startup_timeout_s=startup_timeout_s)
+        except BaseException:
+            self.ctx.destroy(linger=0)
+            raise
+        self.num_kv_blocks = self.core.ready.num_kv_blocks
+        self.max_model_len = self.core.ready.max_model_len
+        self.supported_tasks = list(self.core.ready.supported_tasks)
+        self.encoder = MsgpackEncoder()
+        self.decoder = MsgpackDecoder(EngineCoreOutputs)
+        self.num_malformed_outputs = 0
+        self._call_ids = itertools.count(1)
+        self._dead: EngineDeadError | None = None
+        self._exited = threading.Event()
+        self._shut_down = False
+        self.core.watch(lambda code: self._exited.set())
+
+    # -- shared helpers -------------------------------------------------------------------
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._dead
+
+    def _ensure_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+
+    def _exit_reason(self) -> str:
+        return (f"engine core {self.engine_index} (pid {self.core.pid}) exited with code "
+                f"{self.core.exitcode}")
+
+    def _frames(self, kind: EngineCoreRequestType, obj: Any) -> list[Any]:
+        return [self.core.identity, kind.value, *self.encoder.encode(obj)]
+
+    def _decode(self, frames: list[zmq.Frame]) -> EngineCoreOutputs | None:
+        """Outputs, or None for a malformed message (counted, logged, dropped).
+
+        Raises EngineDeadError when the frames are the ENGINE_CORE_DEAD sentinel.
+        """
+        if len(frames) == 1 and frames[0].buffer.nbytes == len(ENGINE_CORE_DEAD):
+            if bytes(frames[0].buffer) == ENGINE_CORE_DEAD:
+                raise EngineDeadError(f"engine core {self.engine_index} (pid {self.core.pid}) "
+                                      "hit a fatal error (ENGINE_CORE_DEAD)")
+        try:
+            return self.decoder.decode(frames)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.num_malformed_outputs += 1
+            logger.warning("engine %d: dropped malformed output message: %s",
+                           self.engine_index, e)
+            return None
+
+    @staticmethod
+    def _utility_result(method: str, out: UtilityOutput) -> Any:
+        if out.failure_message is not None:
+            raise UtilityCallError(f"utility {method} failed in the engine core: "
+                                   f"{out.failure_message}")
+        return out.result

@@ -1,0 +1,142 @@
+"""Clients of an EngineCore running in its own process (ZeroMQ + msgpack).
+
+- `SyncMPClient` (LLM / LLMEngine): a reader thread "EngineCoreOutputReader_<i>" moves
+  outputs from the PULL socket to a queue; `get_output()` blocks on it; `call_utility()`
+  blocks on a future resolved by the reader.
+- `AsyncMPClient` (AsyncLLM): asyncio sockets and one reader task in the running loop;
+  `*_async` methods. It binds to the first event loop that uses it.
+
+Death (invariant 5, nothing hangs): the client notices
+- the ENGINE_CORE_DEAD sentinel on the output socket, and
+- the core process exiting for any reason (watched through its process sentinel; after
+  an exit the reader first drains what the engine sent before dying).
+Then every waiter — `get_output*`, utility calls — raises EngineDeadError at once, and every
+later call raises it immediately. `shutdown()` does the same for waiters and leaves no
+child process, socket or IPC file behind.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+from typing import Any
+
+import zmq
+
+from engine.client.async_mp_client import AsyncMPClient, cancel_task
+from engine.client.base import EngineDeadError
+from engine.client.mp_base import POLL_MS, MPClientBase, UtilityCallError
+from engine.config import EngineConfig
+from engine.core.messages import UtilityCall
+from engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
+
+__all__ = ["AsyncMPClient", "SyncMPClient", "UtilityCallError", "cancel_task"]
+
+logger = logging.getLogger(__name__)
+
+
+class SyncMPClient(MPClientBase):
+    """Blocking client. Thread-safe: any thread may add, abort, call utilities or read."""
+
+    def __init__(self, config: EngineConfig, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.outputs_queue: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
+        self._utility_results: dict[int, tuple[str, concurrent.futures.Future]] = {}
+        self._lock = threading.Lock()  # input socket, encoder, utility table, death
+        self._stop = threading.Event()
+        self._reader = threading.Thread(target=self._read_outputs, daemon=True,
+                                        name=f"EngineCoreOutputReader_{self.engine_index}")
+        self._reader.start()
+
+    def _read_outputs(self) -> None:
+        sock = self.core.output_socket
+        try:
+            while not self._stop.is_set():
+                if sock.poll(timeout=POLL_MS):
+                    self._dispatch(sock.recv_multipart(copy=False))
+                elif self._exited.is_set():
+                    while sock.poll(timeout=0):
+                        self._dispatch(sock.recv_multipart(copy=False))
+                    self._mark_dead(EngineDeadError(self._exit_reason()))
+                    return
+        except EngineDeadError as e:
+            self._mark_dead(e)
+        except Exception as e:
+            if not self._stop.is_set():
+                logger.exception("engine %d: output reader failed", self.engine_index)
+                self._mark_dead(EngineDeadError(f"output reader failed: {e}"))
+
+    def _dispatch(self, frames: list[zmq.Frame]) -> None:
+        outputs = self._decode(frames)
+        if outputs is None:
+            return
+        if outputs.utility_output is not None:
+            with self._lock:
+                entry = self._utility_results.pop(outputs.utility_output.call_id, None)
+            if entry is not None:
+                entry[1].set_result(outputs.utility_output)
+        if outputs.outputs or outputs.finished_requests:
+            self.outputs_queue.put(outputs)
+
+    def _mark_dead(self, error: EngineDeadError) -> None:
+        with self._lock:
+            if self._dead is not None:
+                return
+            self._dead = error
+            waiters = list(self._utility_results.values())
+            self._utility_results.clear()
+        for _, fut in waiters:
+            fut.set_exception(EngineDeadError(str(error)))
+        self.outputs_queue.put(error)
+
+    def _send(self, kind: EngineCoreRequestType, obj: Any) -> None:
+        with self._lock:
+            self._ensure_alive()
+            try:
+                self.core.input_socket.send_multipart(self._frames(kind, obj), copy=False)
+            except zmq.ZMQError as e:
+                raise EngineDeadError(f"engine core {self.engine_index} unreachable: {e}") from e
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(EngineCoreRequestType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send(EngineCoreRequestType.ABORT, list(request_ids))
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        """Next batch of outputs; blocks. Raises EngineDeadError (queue.Empty on timeout)."""
+        item = self.outputs_queue.get(timeout=timeout)
+        if isinstance(item, EngineDeadError):
+            self.outputs_queue.put(item)  # every later caller sees it too
+            raise EngineDeadError(str(item))
+        return item
+
+    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        call_id = next(self._call_ids)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._ensure_alive()
+            self._utility_results[call_id] = (method, fut)
+        try:
+            self._send(EngineCoreRequestType.UTILITY, UtilityCall(call_id, method, list(args)))
+            out = fut.result(timeout=timeout or self.utility_timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"utility {method} (call {call_id}) got no answer from engine "
+                               f"core {self.engine_index} in time") from None
+        finally:
+            with self._lock:
+                self._utility_results.pop(call_id, None)
+        return self._utility_result(method, out)
+
+    def shutdown(self) -> None:
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self._stop.set()
+        self._reader.join(timeout=2.0)
+        self._mark_dead(EngineDeadError("the engine client was shut down"))
+        self.core.shutdown(self.shutdown_timeout_s)
+        self.ctx.destroy(linger=0)

@@ -1,0 +1,204 @@
+"""The EngineCore busy loop: input queue in, EngineCore steps, output queue out.
+
+No sockets here. `EngineCoreProc` feeds `input_queue` from its input thread and drains
+`output_queue` on its output thread; the loop itself runs on the core process's main
+thread, which is the only thread that touches the EngineCore.
+
+Loop invariants:
+- Idle (the core has no work): block on the input queue; no spinning.
+- Busy: drain every waiting input (so ADDs that arrived during a step join one batch),
+  then step once. Only non-empty EngineCoreOutputs go to the output queue.
+- Every ADD gets an answer: tokens, or a finished ERROR output naming why (duplicate id,
+  rejected by the scheduler, engine shutting down).
+- Shutdown (`request_shutdown`, signal-safe): new ADDs are refused with an ERROR output,
+  in-flight requests run to completion (or are failed once `drain_timeout_s` passes),
+  then `run()` returns.
+- An exception escaping `EngineCore.step()` escapes `run()`: the caller treats it as fatal.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import time
+from typing import Any
+
+import msgspec
+
+from engine.core.engine_core import EngineCore
+from engine.core.messages import UTILITY_METHODS, UtilityCall
+from engine.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    UtilityOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+_EMPTY_STEP_S = 0.001  # a step faster than this that produced nothing ran no model
+
+
+class InputKind(enum.Enum):
+    ADD = "add"
+    ABORT = "abort"
+    UTILITY = "utility"
+    WAKEUP = "wakeup"  # no payload: re-check the shutdown flag
+
+
+class EngineCoreLoop:
+    """Owns an EngineCore and drives it from queues. `run()` is the busy loop."""
+
+    def __init__(
+        self, core: EngineCore, engine_index: int = 0, drain_timeout_s: float = 60.0
+    ) -> None:
+        self.core = core
+        self.engine_index = engine_index
+        self.drain_timeout_s = drain_timeout_s
+        # SimpleQueue: put() is reentrant, so a signal handler may call request_shutdown().
+        self.input_queue: queue.SimpleQueue[tuple[InputKind, Any]] = queue.SimpleQueue()
+        # Aborts also travel here so they reach the core before the next step, not only
+        # in input order.
+        self.aborts_queue: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
+        self.output_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.num_steps = 0
+        self.num_malformed_inputs = 0  # bumped by the input thread (single writer)
+        self._stopping = False
+        self._drain_deadline: float | None = None
+
+    # -- called from other threads / signal handlers ------------------------------------
+    def request_shutdown(self) -> None:
+        """Stop accepting requests; drain; then `run()` returns. Signal-handler safe."""
+        self._stopping = True
+        self.input_queue.put_nowait((InputKind.WAKEUP, None))
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    # -- the loop (core thread) -----------------------------------------------------------
+    def run(self) -> None:
+        while True:
+            if not self.core.has_work():
+                if self._stopping:
+                    logger.info("engine %d: drained, leaving the busy loop", self.engine_index)
+                    return
+                self._clear_aborts_queue()
+                self._handle(*self.input_queue.get())
+            self._drain_inputs()
+            if self._stopping:
+                self._enforce_drain_deadline()
+            if self.core.has_work():
+                self._step()
+
+    def _drain_inputs(self) -> None:
+        while True:
+            try:
+                item = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(*item)
+
+    def _step(self) -> None:
+        self._apply_aborts_queue()
+        started = time.perf_counter()
+        outputs = self.core.step()
+        self.num_steps += 1
+        if outputs.outputs or outputs.finished_requests:
+            outputs.engine_index = self.engine_index
+            self.output_queue.put_nowait(outputs)
+        elif time.perf_counter() - started < _EMPTY_STEP_S:
+            # Work exists but nothing could run (e.g. waiting for remote KV): give the
+            # connector / I/O threads the GIL instead of spinning, and wake on new input.
+            try:
+                self._handle(*self.input_queue.get(timeout=_EMPTY_STEP_S))
+            except queue.Empty:
+                pass
+
+    def _handle(self, kind: InputKind, payload: Any) -> None:
+        if kind is InputKind.ADD:
+            self._add(payload)
+        elif kind is InputKind.ABORT:
+            self.core.abort_requests(payload)
+        elif kind is InputKind.UTILITY:
+            self._utility(payload)
+        # WAKEUP: nothing to do; the caller re-checks the shutdown flag.
+
+    def _add(self, request: EngineCoreRequest) -> None:
+        if self._stopping:
+            self._reply_error(request.request_id, "engine is shutting down; request refused")
+            return
+        try:
+            self.core.add_request(request)
+        except Exception as e:  # a bad request is an answer, never a dead engine
+            logger.warning("engine %d: request %s rejected: %s", self.engine_index,
+                           request.request_id, e)
+            self._reply_error(request.request_id, f"request rejected: {e}")
+
+    def _utility(self, call: UtilityCall) -> None:
+        out = UtilityOutput(call_id=call.call_id)
+        if call.method not in UTILITY_METHODS:
+            out.failure_message = f"unknown utility method {call.method!r}"
+        else:
+            try:
+                result = getattr(self.core, call.method)(*call.args)
+                if call.method == "get_stats":
+                    result = {**result, **self.stats()}
+                # Plain data only, so the output thread can always encode the reply.
+                out.result = msgspec.to_builtins(result)
+            except Exception as e:
+                logger.warning("engine %d: utility %s (call %d) failed: %s",
+                               self.engine_index, call.method, call.call_id, e)
+                out.failure_message = f"{type(e).__name__}: {e}"
+        self.output_queue.put_nowait(
+            EngineCoreOutputs(engine_index=self.engine_index, utility_output=out,
+                              timestamp=time.time())
+        )
+
+    def stats(self) -> dict[str, Any]:
+        return {"num_steps": self.num_steps, "num_malformed_inputs": self.num_malformed_inputs,
+                "stopping": self._stopping}
+
+    def _reply_error(self, request_id: str, message: str) -> None:
+        out = EngineCoreOutput(request_id=request_id, new_token_ids=[],
+                               finish_reason=FinishReason.ERROR, error=message)
+        self.output_queue.put_nowait(
+            EngineCoreOutputs(engine_index=self.engine_index, outputs=[out],
+                              timestamp=time.time())
+        )
+
+    def _apply_aborts_queue(self) -> None:
+        ids: list[str] = []
+        while True:
+            try:
+                ids.extend(self.aborts_queue.get_nowait())
+            except queue.Empty:
+                break
+        if ids:
+            self.core.abort_requests(ids)
+
+    def _clear_aborts_queue(self) -> None:
+        # Idle: every abort in this mirror already went (or is going) through input_queue.
+        while True:
+            try:
+                self.aborts_queue.get_nowait()
+            except queue.Empty:
+                return
+
+    def _enforce_drain_deadline(self) -> None:
+        now = time.monotonic()
+        if self._drain_deadline is None:
+            self._drain_deadline = now + self.drain_timeout_s
+            return
+        if now < self._drain_deadline:
+            return
+        ids = list(self.core.scheduler.requests)
+        if not ids:
+            return
+        logger.warning("engine %d: drain timeout (%.0fs); failing %d request(s)",
+                       self.engine_index, self.drain_timeout_s, len(ids))
+        self.core.abort_requests(ids)
+        for rid in ids:
+            self._reply_error(rid, "engine shut down before the request finished")

@@ -1,0 +1,150 @@
+"""InputProcessor: user prompt + SamplingParams -> validated, tokenized EngineCoreRequest.
+
+Runs in the API-server / offline process, before anything reaches the core. Every rejection
+is a ValueError whose message names the offending field, so the HTTP layer can answer 400
+with `param` set, and nothing half-validated is ever queued.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from engine.protocol import EngineCoreRequest, SamplingParams, now
+
+PromptType = str | Mapping[str, Any] | list[int]
+
+
+def make_internal_request_id(external_id: str) -> str:
+    """The core's id: the user's id plus 8 random hex characters, unique even when users
+    reuse ids. Peers strip the suffix to recover the user's id."""
+    return f"{external_id}-{secrets.token_hex(4)}"
+
+
+def external_request_id(internal_id: str) -> str:
+    """Inverse of make_internal_request_id: drop a trailing "-" + 8 hex characters."""
+    head, sep, tail = internal_id.rpartition("-")
+    if sep and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail):
+        return head
+    return internal_id
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        tokenizer: Any | None,
+        max_model_len: int,
+        eos_token_id: int | None,
+        vocab_size: int,
+        generation_defaults: dict[str, Any] | None = None,
+    ) -> None:
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size
+        self.generation_defaults = dict(generation_defaults or {})
+        if self.generation_defaults:
+            SamplingParams(**self.generation_defaults)  # fail at start-up, not per request
+
+    def default_sampling_params(self) -> SamplingParams:
+        """Sampling params for a request that gave none: the model's generation defaults."""
+        return SamplingParams(**self.generation_defaults)
+
+    def tokenize(self, prompt: PromptType) -> tuple[list[int], str | None]:
+        """Prompt -> (token ids, prompt text if known). Raises ValueError naming the field."""
+        if isinstance(prompt, str):
+            return self._encode(prompt), prompt
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, list):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                text = prompt.get("prompt")
+                return list(ids), text if isinstance(text, str) else None
+            if "prompt" in prompt:
+                text = prompt["prompt"]
+                if not isinstance(text, str):
+                    raise ValueError("prompt must be a string")
+                return self._encode(text), text
+            raise ValueError("prompt must hold 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list):
+            return list(prompt), None
+        raise ValueError(
+            f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("prompt must be given as prompt_token_ids: no tokenizer loaded")
+        if not text:
+            raise ValueError("prompt must not be empty")
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def _validate_ids(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ValueError(f"prompt_token_ids must be integers, got {t!r}")
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(
+                    f"prompt_token_ids: token id {t} is out of vocabulary "
+                    f"(size {self.vocab_size})"
+                )
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt (length {len(ids)} tokens) is longer than max_model_len "
+                f"({self.max_model_len}) allows: no room for a generated token"
+            )
+
+    def _resolve_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        room = self.max_model_len - prompt_len
+        if params.max_tokens is None:
+            params = msgspec.structs.replace(params, max_tokens=room)
+        elif params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens ({params.max_tokens}) plus the prompt ({prompt_len} tokens) "
+                f"exceeds max_model_len ({self.max_model_len}); at most {room} allowed"
+            )
+        if params.min_tokens > params.max_tokens:
+            raise ValueError(
+                f"min_tokens ({params.min_tokens}) exceeds max_tokens ({params.max_tokens})"
+            )
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids: token id {bad[0]} is out of vocabulary (size {self.vocab_size})"
+            )
+        return params
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None,
+        arrival_time: float | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """Validate and tokenize. Returns the core request (request_id = internal id) and the
+        prompt text when known. The caller's SamplingParams object is never modified."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if params is None:
+            params = self.default_sampling_params()
+        ids, text = self.tokenize(prompt)
+        self._validate_ids(ids)
+        params = self._resolve_params(params, len(ids))
+        request = EngineCoreRequest(
+            request_id=make_internal_request_id(request_id),
+            prompt_token_ids=ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=now() if arrival_time is None else arrival_time,
+            kv_transfer_params=kv_transfer_params,
+        )
+        return request, text

@@ -1,0 +1,43 @@
+"""Entry point of the model layer: read a local Hugging Face directory into a CausalLM."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models.arch import ModelArch, load_arch
+from engine.models.causal_lm import CausalLM
+from engine.models.layers import AllReduceFn
+from engine.models.weights import load_weights
+
+__all__ = ["CausalLM", "ModelArch", "load_arch", "load_model", "resolve_dtype"]
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, arch: ModelArch) -> torch.dtype:
+    """"auto" -> the checkpoint's torch_dtype (float32 when it names none we support)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _TORCH_DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}")
+        return dtype
+    name = arch.torch_dtype if dtype == "auto" else dtype
+    if name not in _TORCH_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r} (use auto, float32, bfloat16 or float16)")
+    return _TORCH_DTYPES[name]
+
+
+def load_model(model_dir: str, dtype: str = "auto", device: str = "cpu", *,
+               tp_rank: int = 0, tp_size: int = 1,
+               all_reduce: AllReduceFn | None = None) -> CausalLM:
+    """Build the model described by `model_dir/config.json` and load its safetensors weights.
+
+    Raises ValueError for an unsupported architecture or dtype, or a checkpoint that does not
+    match the config. The returned module is in eval mode with requires_grad off everywhere.
+    With tp_size > 1, loads only rank tp_rank's shard and uses all_reduce across ranks.
+    """
+    arch = load_arch(model_dir)
+    torch_dtype = resolve_dtype(dtype, arch)
+    model = CausalLM(arch, torch_dtype, torch.device(device), tp_rank=tp_rank, tp_size=tp_size,
+                     all_reduce=all_reduce)
+    load_weights(model, model_dir)
+    return model.eval()

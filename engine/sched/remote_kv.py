@@ -1,0 +1,86 @@
+"""Scheduler-side bookkeeping for KV that moves through a connector.
+
+Two tables, both keyed by request id and both owned by the engine-core thread:
+- `finished_recving`: parked requests (WAITING_FOR_REMOTE_KVS) whose KV has landed and
+  that the next `schedule()` may run. Only ids of live, parked requests enter it.
+- `delayed_free`: finished requests whose blocks the connector still needs (a P-side
+  lease, a D-side quarantine). Their blocks are freed once, when the id comes back in
+  `finished_sending`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from engine.sched.kv_cache_manager import KVCacheManager
+from engine.sched.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+def clamp_external_tokens(req: Request, num_local: int, num_external: int,
+                          load_async: bool) -> int:
+    """What the scheduler accepts of a connector's offer: never the token to sample from.
+
+    A synchronous load may cover up to the last token (exclusive); an async one may cover
+    the whole prompt, since the last prompt token is recomputed after it lands anyway.
+    """
+    limit = (req.num_prompt_tokens if load_async else req.num_tokens - 1) - num_local
+    accepted = max(0, min(num_external, limit))
+    if accepted != num_external:
+        logger.warning("request %s: connector offered %d external tokens, using %d",
+                       req.request_id, num_external, accepted)
+    return accepted
+
+
+class RemoteKVState:
+    def __init__(self, kv_cache_manager: KVCacheManager) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.finished_recving: set[str] = set()
+        self.delayed_free: dict[str, Request] = {}
+        self.connector_stats: dict[str, float] = {}
+
+    def mark_ready(self, req: Request) -> None:
+        """The KV landed: everything is computed but the last token, which yields logits."""
+        self.finished_recving.discard(req.request_id)
+        req.num_computed_tokens = min(
+            req.num_computed_tokens + req.num_external_computed_tokens, req.num_tokens - 1
+        )
+        self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
+        req.status = RequestStatus.WAITING
+
+    def hold_blocks(self, req: Request) -> None:
+        self.delayed_free[req.request_id] = req
+
+    def forget(self, request_id: str) -> None:
+        self.finished_recving.discard(request_id)
+
+    def absorb(self, kvo: Any, requests: dict[str, Request]) -> dict[str, str]:
+        """Apply one step's connector output. Returns the parked requests whose load failed.
+
+        `finished_sending` frees held blocks; `finished_recving` makes parked requests
+        schedulable; an id in `failed_recving` (a set, or a dict id -> reason) is left to
+        the caller's failure policy even when it is also reported as received.
+        """
+        for rid in getattr(kvo, "finished_sending", None) or ():
+            req = self.delayed_free.pop(rid, None)
+            if req is not None:
+                self.kv_cache_manager.free(req)
+        failed_in = getattr(kvo, "failed_recving", None) or {}
+        failed: dict[str, str] = {}
+        for rid in failed_in:
+            if _parked(requests.get(rid)):
+                reason = failed_in.get(rid) if isinstance(failed_in, dict) else None
+                failed[rid] = reason or "no reason given"
+        for rid in getattr(kvo, "finished_recving", None) or ():
+            if rid not in failed_in and _parked(requests.get(rid)):
+                self.finished_recving.add(rid)
+        stats = getattr(kvo, "stats", None)
+        if stats:
+            self.connector_stats.update(stats)
+        return failed
+
+
+def _parked(req: Request | None) -> bool:
+    return req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS

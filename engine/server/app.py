@@ -1,0 +1,177 @@
+"""The FastAPI app of one engine server: OpenAI routes, health, metrics, tokenizer helpers,
+and `/kv_transfer/info` for the proxy.
+
+`build_app` takes an engine that is already running (an AsyncLLM, or any object with its
+interface), so tests can serve an in-process engine; `engine.server.cli` owns start-up and
+shutdown of the real one.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.client.base import EngineDeadError
+from engine.server.chat import create_chat_completion, render_chat_prompt
+from engine.server.completions import create_completion
+from engine.server.errors import APIError, dead_engine_error, install_error_handlers
+from engine.server.metrics import ServerMetrics
+from engine.server.middleware import GuardMiddleware
+from engine.server.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from engine.server.serving import ServingContext
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """HTTP-level settings (the engine's own live in EngineConfig)."""
+
+    api_key: str | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    kv_transfer_info: dict[str, Any] | None = None  # None → GET /kv_transfer/info is 404
+
+    def __post_init__(self) -> None:
+        if self.max_request_body_bytes < 1024:
+            raise ValueError("max_request_body_bytes must be at least 1024")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("pdserve")
+    except metadata.PackageNotFoundError:
+        return "0.0.0+local"
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def build_app(
+    engine: Any,
+    *,
+    model_name: str,
+    accepted_model_names: tuple[str, ...] = (),
+    settings: ServerSettings | None = None,
+    metrics: ServerMetrics | None = None,
+) -> FastAPI:
+    """The app serving `engine`. `engine` must be running; the app never starts or stops it."""
+    settings = settings or ServerSettings()
+    app = FastAPI(title="pdserve", version=_version(), docs_url=None, redoc_url=None)
+    app.state.draining = False
+    app.state.engine = engine
+    app.state.metrics = metrics or ServerMetrics(model_name)
+    ctx = ServingContext(
+        engine=engine,
+        model_name=model_name,
+        accepted_names=frozenset((model_name, *accepted_model_names)),
+        max_model_len=getattr(engine, "max_model_len", None),
+        tokenizer=engine.tokenizer,
+        metrics=app.state.metrics,
+    )
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    app.add_middleware(
+        GuardMiddleware,
+        api_key=settings.api_key,
+        max_body_bytes=settings.max_request_body_bytes,
+        is_draining=lambda: app.state.draining,
+    )
+
+    async def engine_alive() -> None:
+        try:
+            await _maybe_await(engine.check_health())
+        except EngineDeadError as exc:
+            raise dead_engine_error(exc) from exc
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        await engine_alive()
+        return await create_completion(body, request, ctx)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        await engine_alive()
+        return await create_chat_completion(body, request, ctx)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, root=model_name,
+                                         max_model_len=ctx.max_model_len)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        await engine_alive()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(app.state.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _version()}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("give exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            prompt = render_chat_prompt(
+                ctx.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages],
+                add_generation_prompt=body.add_generation_prompt)
+            tokens = prompt["prompt_token_ids"]
+        else:
+            tokens = list(ctx.tokenizer.encode(body.prompt,
+                                               add_special_tokens=body.add_special_tokens))
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        ctx.check_model(body.model)
+        vocab = _vocab_size(ctx.tokenizer)
+        bad = [t for t in body.tokens if vocab is not None and t >= vocab]
+        if bad:
+            raise APIError(f"tokens: token id {bad[0]} is out of vocabulary (size {vocab})",
+                           param="tokens")
+        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+    @app.get("/kv_transfer/info")
+    async def kv_transfer_info() -> JSONResponse:
+        info = settings.kv_transfer_info
+        live = getattr(engine, "kv_transfer_info", None)
+        if callable(live):
+            live = await _maybe_await(live())
+        if isinstance(live, dict):
+            info = {**(info or {}), **live}
+        if info is None:
+            raise APIError("this server has no kv-transfer config", 404, code="not_found")
+        return JSONResponse(info)
+
+    return app
+
+
+def _vocab_size(tokenizer: Any) -> int | None:
+    for attr in ("vocab_size", "__len__"):
+        value = getattr(tokenizer, attr, None)
+        try:
+            return int(value() if callable(value) else value)
+        except (TypeError, ValueError):
+            continue
+    return None

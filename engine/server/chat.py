@@ -1,0 +1,193 @@
+"""POST /v1/chat/completions: messages → the model's chat template → one generation.
+
+The prompt is rendered with the tokenizer's chat template and tokenized here, so a template
+that already starts with the BOS token does not get a second one. Streaming sends, per
+choice, a role chunk, content deltas, and a final chunk with `finish_reason`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.server.completions import CLIENT_CLOSED
+from engine.server.errors import APIError
+from engine.server.logprobs import TokenText, chat_logprobs
+from engine.server.openai_protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    UsageInfo,
+)
+from engine.server.serving import (
+    SSE_DONE,
+    ServingContext,
+    SSEResponse,
+    engine_stream,
+    make_request_id,
+    merge_streams,
+    primed,
+    sse,
+    sse_error,
+    unless_disconnected,
+)
+
+
+def render_chat_prompt(
+    tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool,
+    continue_final_message: bool = False,
+) -> dict[str, Any]:
+    """The engine prompt (`prompt_token_ids` + `prompt`) for a conversation."""
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # template errors are about the messages the client sent
+        raise APIError(f"messages could not be rendered with the chat template: {exc}",
+                       param="messages") from exc
+    if continue_final_message and messages:
+        last = messages[-1]["content"]
+        cut = text.rfind(last)
+        if last and cut >= 0:
+            text = text[: cut + len(last)]
+    bos = getattr(tokenizer, "bos_token", None)
+    has_bos = isinstance(bos, str) and bool(bos) and text.startswith(bos)
+    ids = list(tokenizer.encode(text, add_special_tokens=not has_bos))
+    if not ids:
+        raise APIError("messages render to an empty prompt", param="messages")
+    return {"prompt_token_ids": ids, "prompt": text}
+
+
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request, ctx: ServingContext
+) -> Response:
+    ctx.check_model(body.model)
+    params = body.to_sampling_params()
+    prompt = render_chat_prompt(
+        ctx.tokenizer, body.message_dicts(), add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+    )
+    rid = make_request_id(request, "chatcmpl")
+    merged = merge_streams([engine_stream(ctx, prompt, params, rid, body.kv_transfer_params)])
+    headers = {"X-Request-Id": rid}
+    if body.stream:
+        gone, first = await unless_disconnected(request, primed(merged))
+        if gone:
+            await merged.aclose()
+            return Response(status_code=CLIENT_CLOSED)
+        item, rest = first
+        return SSEResponse(_stream(ctx, body, rid, item, rest), headers=headers)
+
+    async def collect() -> Any:
+        final = None
+        async for _, out in merged:
+            if final is None:
+                final = out
+            else:
+                final.add(out, aggregate=False)
+        return final
+
+    gone, final = await unless_disconnected(request, collect())
+    if gone:
+        return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse(_response(ctx, body, rid, final).model_dump(), headers=headers)
+
+
+def _top_n(body: ChatCompletionRequest) -> int:
+    return body.top_logprobs or 0
+
+
+def _response(
+    ctx: ServingContext, body: ChatCompletionRequest, rid: str, final: Any
+) -> ChatCompletionResponse:
+    if final is None:
+        raise APIError(f"request {rid} ended without output", 500)
+    if final.error:
+        raise APIError(f"request {final.request_id} failed: {final.error}", 500,
+                       code="request_failed")
+    token_text = TokenText(ctx.tokenizer)
+    choices = []
+    completion_tokens = 0
+    for comp in final.outputs:
+        completion_tokens += len(comp.token_ids)
+        lp = None
+        if body.logprobs:
+            lp = chat_logprobs(comp.token_ids, comp.logprobs, _top_n(body), token_text)
+        choices.append(ChatChoice(
+            index=comp.index, message=ChatResponseMessage(content=comp.text), logprobs=lp,
+            finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
+        ))
+    choices.sort(key=lambda c: c.index)
+    prompt_tokens = len(final.prompt_token_ids)
+    return ChatCompletionResponse(
+        id=rid, model=ctx.model_name, choices=choices,
+        usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                        total_tokens=prompt_tokens + completion_tokens),
+        kv_transfer_params=final.kv_transfer_params,
+    )
+
+
+async def _stream(
+    ctx: ServingContext, body: ChatCompletionRequest, rid: str, first: Any,
+    rest: AsyncIterator[tuple[int, Any]],
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    token_text = TokenText(ctx.tokenizer)
+    state = {"prompt_tokens": 0}
+    generated: dict[int, int] = {}
+
+    def usage() -> UsageInfo:
+        p, c = state["prompt_tokens"], sum(generated.values())
+        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+    def chunk(choice: ChatStreamChoice) -> str:
+        return sse(ChatCompletionChunk(
+            id=rid, created=created, model=ctx.model_name, choices=[choice],
+            usage=usage() if body.continuous_usage else None,
+        ))
+
+    def chunks(out: Any) -> list[str]:
+        if out.error:
+            raise APIError(f"request {out.request_id} failed: {out.error}", 500,
+                           code="request_failed")
+        state["prompt_tokens"] = len(out.prompt_token_ids)
+        lines = []
+        for comp in out.outputs:
+            if comp.index not in generated:
+                generated[comp.index] = 0
+                lines.append(chunk(ChatStreamChoice(
+                    index=comp.index, delta=DeltaMessage(role="assistant", content=""))))
+            if not comp.text and not comp.token_ids and comp.finish_reason is None:
+                continue
+            generated[comp.index] += len(comp.token_ids)
+            lp = None
+            if body.logprobs and comp.token_ids:
+                lp = chat_logprobs(comp.token_ids, comp.logprobs, _top_n(body), token_text)
+            lines.append(chunk(ChatStreamChoice(
+                index=comp.index,
+                delta=DeltaMessage(content=comp.text) if comp.text else DeltaMessage(),
+                logprobs=lp, finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
+            )))
+        return lines
+
+    try:
+        if first is not None:
+            for line in chunks(first[1]):
+                yield line
+            async for _, out in rest:
+                for line in chunks(out):
+                    yield line
+        if body.include_usage:
+            yield sse(ChatCompletionChunk(id=rid, created=created, model=ctx.model_name,
+                                          choices=[], usage=usage()))
+    except Exception as exc:  # noqa: BLE001 - reported in-band, the status is already sent
+        yield sse_error(exc)
+    finally:
+        await rest.aclose()
+    yield SSE_DONE

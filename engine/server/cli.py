@@ -1,0 +1,193 @@
+"""`pdserve serve MODEL_DIR …` (also `python -m engine.server`): one engine behind the
+OpenAI-compatible HTTP API. `pdserve prefill` / `pdserve decode` reuse `add_serve_args` and
+`serve_main(args, role_defaults=…)` with their connector defaults.
+
+Lifecycle (all on one event loop in the main thread):
+  start AsyncLLM (spawns the EngineCore process) → serve HTTP → on SIGTERM/SIGINT: new
+  requests get 503 and the listening socket closes, in-flight requests get up to
+  --drain-timeout seconds, then AsyncLLM shuts down (terminating the EngineCore) → exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from collections.abc import Generator, Mapping
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.server.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
+from engine.server.metrics import ServerMetrics
+
+logger = logging.getLogger("pdserve.server")
+
+# Engine flags whose argparse default is None ("not given") so role defaults can fill them.
+_ENGINE_FLAGS = (
+    "dtype", "device", "seed", "served_model_name", "block_size", "num_kv_blocks",
+    "kv_cache_memory_gib", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+    "tensor_parallel_size", "enable_prefix_caching",
+)
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `pdserve serve` (DESIGN §3). Engine flags default to None = EngineConfig's."""
+    parser.add_argument("model", metavar="MODEL_DIR", help="local Hugging Face model directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16",
+                                                          "float16"])
+    parser.add_argument("--device", default=None, help="cpu or cuda")
+    parser.add_argument("--block-size", type=int, default=None)
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument("--num-kv-blocks", type=int, default=None)
+    cache.add_argument("--kv-cache-memory-gib", type=float, default=None)
+    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                        action="store_false", default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                        help='e.g. \'{"kv_connector": "NixlPushConnector", "kv_role": …}\'')
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests get after SIGTERM")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def _kv_transfer_dict(args: argparse.Namespace,
+                      role_defaults: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Role defaults, overridden by the user's JSON; --kv-host/--kv-port (role flags) fill
+    kv_host/kv_port only where the JSON has none."""
+    base = role_defaults.get("kv_transfer_config")
+    merged: dict[str, Any] = dict(base) if base else {}
+    if args.kv_transfer_config:
+        try:
+            user = json.loads(args.kv_transfer_config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--kv-transfer-config is not valid JSON: {exc}") from exc
+        if not isinstance(user, dict):
+            raise ValueError("--kv-transfer-config must be a JSON object")
+        extra = {**merged.get("kv_connector_extra_config", {}),
+                 **user.get("kv_connector_extra_config", {})}
+        merged.update(user)
+        if extra:
+            merged["kv_connector_extra_config"] = extra
+    for flag in ("kv_host", "kv_port"):
+        value = getattr(args, flag, None)
+        if value is not None and merged and flag not in merged:
+            merged[flag] = value
+    return merged or None
+
+
+def config_from_args(args: argparse.Namespace,
+                     role_defaults: Mapping[str, Any] | None = None) -> EngineConfig:
+    """EngineConfig from parsed flags: given flags > role defaults > EngineConfig defaults."""
+    role_defaults = dict(role_defaults or {})
+    kwargs: dict[str, Any] = {}
+    for name in _ENGINE_FLAGS:
+        value = getattr(args, name, None)
+        if value is None:
+            value = role_defaults.get(name)
+        if value is not None:
+            kwargs[name] = value
+    kv = _kv_transfer_dict(args, role_defaults)
+    if kv is not None:
+        kwargs["kv_transfer_config"] = kv
+    return EngineConfig.from_kwargs(args.model, **kwargs)
+
+
+def kv_transfer_info(config: EngineConfig) -> dict[str, Any] | None:
+    """Static part of GET /kv_transfer/info; a live engine may override fields it resolved
+    at start-up (an auto-generated engine id, an ephemeral side-channel port)."""
+    kv = config.kv_transfer_config
+    if kv is None:
+        return None
+    return {
+        "engine_id": kv.engine_id, "kv_host": kv.kv_host, "kv_port": kv.kv_port,
+        "tp_size": config.tensor_parallel_size, "block_size": config.block_size,
+        "kv_role": kv.kv_role, "kv_connector": kv.kv_connector,
+    }
+
+
+def serve_main(args: argparse.Namespace, *, role_defaults: Mapping[str, Any] | None = None
+               ) -> int:
+    """Entry point of `pdserve serve` (and of the P/D roles). Returns the exit status."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args, role_defaults)
+        settings = ServerSettings(api_key=args.api_key,
+                                  max_request_body_bytes=args.max_request_body_bytes,
+                                  kv_transfer_info=kv_transfer_info(config))
+        if args.drain_timeout < 0:
+            raise ValueError("--drain-timeout must be non-negative")
+    except ValueError as exc:
+        print(f"pdserve serve: error: {exc}", file=sys.stderr)
+        return 2
+    with _exit_on_signal():
+        return asyncio.run(_serve(config, settings, args))
+
+
+@contextlib.contextmanager
+def _exit_on_signal() -> Generator[None, None, None]:
+    """Before uvicorn owns the signals (engine start-up): SIGTERM unwinds like Ctrl-C, so the
+    engine started so far is shut down by the `finally` blocks instead of being orphaned."""
+
+    def raise_interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)
+    try:
+        yield
+    except KeyboardInterrupt:
+        logger.info("interrupted during start-up; exiting")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def start_engine(config: EngineConfig, metrics: ServerMetrics) -> Any:
+    from engine.frontend.async_llm import AsyncLLM
+
+    return AsyncLLM.from_config(config, multiprocess=True, stat_loggers=[metrics.record])
+
+
+async def _serve(config: EngineConfig, settings: ServerSettings,
+                 args: argparse.Namespace) -> int:
+    from engine.server.uvicorn_server import DrainingServer
+
+    metrics = ServerMetrics(config.model_name)
+    engine = start_engine(config, metrics)
+    try:
+        accepted = (config.model,) if config.served_model_name else ()
+        app = build_app(engine, model_name=config.model_name, accepted_model_names=accepted,
+                        settings=settings, metrics=metrics)
+        server = DrainingServer(app, host=args.host, port=args.port,
+                                drain_timeout=args.drain_timeout, log_level=args.log_level,
+                                access_log=args.access_log)
+        logger.info("serving %s on http://%s:%d", config.model_name, args.host, args.port)
+        await server.serve()
+        return 0 if server.started else 1
+    finally:
+        # Already exiting: a further SIGTERM must not interrupt the engine's shutdown.
+        with contextlib.suppress(ValueError):  # not the main thread
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        logger.info("shutting down the engine")
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.server",
+                                     description="OpenAI-compatible pdserve engine server")
+    add_serve_args(parser)
+    return serve_main(parser.parse_args(argv))

@@ -1,0 +1,202 @@
+"""POST /v1/completions: one or a batch of prompts (text or token ids), streaming or not.
+
+Choice index = prompt index * n + sample index (OpenAI's rule for batched prompts).
+Streaming sends OpenAI `text_completion` chunks as SSE and ends with `data: [DONE]`; an error
+after the first byte is sent as an error event before `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.server.errors import APIError
+from engine.server.logprobs import (
+    TokenText,
+    completion_logprobs,
+    merge_completion_logprobs,
+    prompt_logprobs_placeholder,
+)
+from engine.server.openai_protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from engine.server.serving import (
+    SSE_DONE,
+    ServingContext,
+    SSEResponse,
+    engine_stream,
+    make_request_id,
+    merge_streams,
+    primed,
+    sse,
+    sse_error,
+    unless_disconnected,
+)
+
+CLIENT_CLOSED = 499
+
+
+def _engine_prompt(p: str | list[int]) -> Any:
+    return p if isinstance(p, str) else {"prompt_token_ids": p}
+
+
+def _prompt_text(ctx: ServingContext, out: Any) -> str:
+    if out.prompt is not None:
+        return out.prompt
+    return ctx.tokenizer.decode(out.prompt_token_ids)
+
+
+def _request_failed(out: Any) -> APIError:
+    return APIError(f"request {out.request_id} failed: {out.error}", 500, code="request_failed")
+
+
+async def create_completion(
+    body: CompletionRequest, request: Request, ctx: ServingContext
+) -> Response:
+    ctx.check_model(body.model)
+    params = body.to_sampling_params()
+    prompts = body.prompts()
+    rid = make_request_id(request, "cmpl")
+    ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+    streams = [
+        engine_stream(ctx, _engine_prompt(p), params, i, body.kv_transfer_params)
+        for p, i in zip(prompts, ids, strict=True)
+    ]
+    merged = merge_streams(streams)
+    headers = {"X-Request-Id": rid}
+    if body.stream:
+        gone, first = await unless_disconnected(request, primed(merged))
+        if gone:
+            await merged.aclose()
+            return Response(status_code=CLIENT_CLOSED)
+        item, rest = first
+        return SSEResponse(_stream(ctx, body, rid, item, rest), headers=headers)
+    gone, finals = await unless_disconnected(request, _collect(merged, len(prompts)))
+    if gone:
+        return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse(_response(ctx, body, rid, finals).model_dump(), headers=headers)
+
+
+async def _collect(merged: AsyncIterator[tuple[int, Any]], count: int) -> list[Any]:
+    finals: list[Any] = [None] * count
+    async for index, out in merged:
+        if finals[index] is None:
+            finals[index] = out
+        else:
+            finals[index].add(out, aggregate=False)
+    return finals
+
+
+def _response(
+    ctx: ServingContext, body: CompletionRequest, rid: str, finals: list[Any]
+) -> CompletionResponse:
+    token_text = TokenText(ctx.tokenizer)
+    want_lp = body.logprobs is not None
+    choices: list[CompletionChoice] = []
+    prompt_tokens = completion_tokens = 0
+    kv_params = None
+    for pi, final in enumerate(finals):
+        if final is None:
+            raise APIError(f"request {rid} ended without output", 500)
+        if final.error:
+            raise _request_failed(final)
+        prompt_tokens += len(final.prompt_token_ids)
+        kv_params = kv_params or final.kv_transfer_params
+        prefix = _prompt_text(ctx, final) if body.echo else ""
+        for comp in final.outputs:
+            completion_tokens += len(comp.token_ids)
+            lp = None
+            if want_lp:
+                lp = completion_logprobs(
+                    comp.token_ids, comp.logprobs, body.logprobs or 0, token_text, len(prefix)
+                )
+                if body.echo:
+                    lp = merge_completion_logprobs(
+                        prompt_logprobs_placeholder(final.prompt_token_ids, token_text), lp
+                    )
+            choices.append(CompletionChoice(
+                index=pi * body.n + comp.index, text=prefix + comp.text, logprobs=lp,
+                finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
+            ))
+    choices.sort(key=lambda c: c.index)
+    return CompletionResponse(
+        id=rid, model=ctx.model_name, choices=choices,
+        usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                        total_tokens=prompt_tokens + completion_tokens),
+        kv_transfer_params=kv_params,
+    )
+
+
+async def _stream(
+    ctx: ServingContext, body: CompletionRequest, rid: str, first: Any,
+    rest: AsyncIterator[tuple[int, Any]],
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    token_text = TokenText(ctx.tokenizer)
+    want_lp = body.logprobs is not None
+    prompt_tokens: dict[int, int] = {}
+    generated: dict[int, int] = {}
+    offsets: dict[int, int] = {}
+
+    def usage() -> UsageInfo:
+        p, c = sum(prompt_tokens.values()), sum(generated.values())
+        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+    def chunks(pi: int, out: Any) -> list[str]:
+        if out.error:
+            raise _request_failed(out)
+        lines = []
+        if pi not in prompt_tokens:
+            prompt_tokens[pi] = len(out.prompt_token_ids)
+        for comp in out.outputs:
+            index = pi * body.n + comp.index
+            text = comp.text
+            lp = None
+            if index not in offsets:
+                offsets[index] = 0
+                if body.echo:
+                    text = _prompt_text(ctx, out) + text
+                    if want_lp:
+                        lp = prompt_logprobs_placeholder(out.prompt_token_ids, token_text)
+                        offsets[index] = len(text) - len(comp.text)
+            if not text and not comp.token_ids and comp.finish_reason is None:
+                continue
+            generated[index] = generated.get(index, 0) + len(comp.token_ids)
+            if want_lp:
+                new = completion_logprobs(comp.token_ids, comp.logprobs, body.logprobs or 0,
+                                          token_text, offsets[index])
+                lp = new if lp is None else merge_completion_logprobs(lp, new)
+            offsets[index] += len(comp.text)
+            chunk = CompletionChunk(
+                id=rid, created=created, model=ctx.model_name,
+                choices=[CompletionChoice(index=index, text=text, logprobs=lp,
+                                          finish_reason=comp.finish_reason,
+                                          stop_reason=comp.stop_reason)],
+                usage=usage() if body.continuous_usage else None,
+            )
+            lines.append(sse(chunk))
+        return lines
+
+    try:
+        if first is not None:
+            for line in chunks(*first):
+                yield line
+            async for pi, out in rest:
+                for line in chunks(pi, out):
+                    yield line
+        if body.include_usage:
+            yield sse(CompletionChunk(id=rid, created=created, model=ctx.model_name,
+                                      choices=[], usage=usage()))
+    except Exception as exc:  # noqa: BLE001 - reported in-band, the status is already sent
+        yield sse_error(exc)
+    finally:
+        await rest.aclose()
+    yield SSE_DONE

@@ -1,0 +1,337 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic).
+
+Requests accept the OpenAI fields plus vLLM's sampling extras (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, ...) and `kv_transfer_params`.
+Unknown fields are ignored, as vLLM does, so clients sending newer OpenAI fields still work;
+fields we accept but cannot honour (logit_bias, suffix, tools, ...) are a 400 naming them.
+Range checks live in `SamplingParams` (one source of truth); its ValueError names the field.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat
+
+from engine.protocol import RequestOutputKind, SamplingParams
+from engine.server.errors import APIError, from_value_error
+
+_MAX_N = 128
+
+# Bounded ints keep every value representable on the msgpack wire (a 10**30 is a 400, not a 500).
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by both generation routes."""
+
+    model: str | None = None
+    n: Int32 = 1
+    best_of: Int32 | None = None
+    temperature: FiniteFloat | None = None
+    top_p: FiniteFloat | None = None
+    top_k: Int32 | None = None
+    min_p: FiniteFloat | None = None
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    presence_penalty: FiniteFloat | None = None
+    frequency_penalty: FiniteFloat | None = None
+    repetition_penalty: FiniteFloat | None = None
+    min_tokens: Int32 = 0
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, FiniteFloat] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+    def _check_unsupported(self) -> None:
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported", param="logit_bias")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError("best_of must equal n (beam search is not supported)", param="best_of")
+        if not 1 <= self.n <= _MAX_N:
+            raise APIError(f"n must be in [1, {_MAX_N}], got {self.n}", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is only allowed with stream=true",
+                           param="stream_options")
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        self._check_unsupported()
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        fields: dict[str, Any] = {
+            "n": self.n,
+            "seed": self.seed,
+            "max_tokens": max_tokens,
+            "min_tokens": self.min_tokens,
+            "stop": stop,
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+            "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+        }
+        optional = {
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "min_p": self.min_p, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        fields.update({k: v for k, v in optional.items() if v is not None})
+        try:
+            return SamplingParams(**fields)
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+PromptInput = str | list[str] | list[TokenId] | list[list[TokenId]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptInput
+    max_tokens: Int32 | None = 16
+    logprobs: Int32 | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        return self._sampling(self.max_tokens, self.logprobs)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: each entry a text or a token-id list. Empty prompts are a 400."""
+        p = self.prompt
+        if isinstance(p, str):
+            batch: list[Any] = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            batch = [list(p)]
+        else:
+            batch = list(p)
+        if not batch:
+            raise APIError("prompt must not be empty", param="prompt")
+        for item in batch:
+            if len(item) == 0:
+                raise APIError("prompt must not be empty", param="prompt")
+            if isinstance(item, list) and any(t < 0 for t in item):
+                raise APIError("prompt token ids must be non-negative", param="prompt")
+        return batch
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: Int32 | None = None
+    max_completion_tokens: Int32 | None = None
+    logprobs: bool = False
+    top_logprobs: Int32 | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.tools:
+            raise APIError("tools are not supported", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError("only response_format type 'text' is supported",
+                           param="response_format")
+        if not self.messages:
+            raise APIError("messages must not be empty", param="messages")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise APIError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}",
+                           param="top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError("continue_final_message and add_generation_prompt exclude each other",
+                           param="continue_final_message")
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling(max_tokens, logprobs)
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        out = []
+        for m in self.messages:
+            d = {"role": m.role, "content": m.text()}
+            if m.name:
+                d["name"] = m.name
+            out.append(d)
+        return out
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+# ---- responses -------------------------------------------------------------------------
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: str = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pdserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]

@@ -1,0 +1,218 @@
+"""Machinery shared by the generation routes: engine calls with errors mapped to HTTP,
+merging the streams of a batch of prompts, client-disconnect watching, SSE framing.
+
+Invariants:
+- A generation stream that is closed or cancelled before it finished aborts its request in
+  the core (closing the engine's iterator aborts; we also call `abort` explicitly).
+- ValueError from the engine → 400 naming the field; EngineDeadError → 503; neither leaks
+  as a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from engine.client.base import EngineDeadError
+from engine.protocol import SamplingParams
+from engine.server.errors import APIError, dead_engine_error, error_body, from_value_error
+
+logger = logging.getLogger("pdserve.server")
+
+REQUEST_ID_HEADER = "x-request-id"
+
+
+@dataclass
+class ServingContext:
+    """What the route handlers need; one per app."""
+
+    engine: Any  # AsyncLLM (or anything with its generate/abort/check_health/tokenizer)
+    model_name: str
+    accepted_names: frozenset[str]
+    max_model_len: int | None
+    tokenizer: Any
+    metrics: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.accepted_names:
+            raise APIError(f"The model `{name}` does not exist.", 404, param="model",
+                           code="model_not_found")
+
+
+def make_request_id(request: Request, prefix: str) -> str:
+    """The client's X-Request-Id (the proxy sends one per request) or a fresh id."""
+    given = request.headers.get(REQUEST_ID_HEADER)
+    if given and len(given) <= 256 and given.isprintable():
+        return given
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def engine_stream(
+    ctx: ServingContext,
+    prompt: Any,
+    params: SamplingParams,
+    request_id: str,
+    kv_transfer_params: dict[str, Any] | None,
+) -> AsyncIterator[Any]:
+    """The engine's outputs for one prompt, errors translated to APIError."""
+    finished = False
+    try:
+        gen = ctx.engine.generate(prompt, params, request_id,
+                                  kv_transfer_params=kv_transfer_params)
+        async for out in gen:
+            finished = out.finished
+            yield out
+    except ValueError as exc:
+        raise from_value_error(exc) from exc
+    except EngineDeadError as exc:
+        raise dead_engine_error(exc) from exc
+    finally:
+        if not finished:
+            with contextlib.suppress(Exception):
+                ctx.engine.abort(request_id)
+
+
+async def merge_streams(
+    streams: list[AsyncIterator[Any]],
+) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several streams as (stream index, item). The first error ends everything.
+
+    One stream (the common case) is passed through without tasks. Closing the merged stream
+    cancels every producer, which closes its engine stream (→ abort in the core).
+    """
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None, bool]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item, None, False))
+            await queue.put((index, None, None, True))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((index, None, exc, True))
+
+    tasks = [asyncio.create_task(pump(i, s), name=f"merge-{i}") for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item, exc, done = await queue.get()
+            if exc is not None:
+                raise exc
+            if done:
+                remaining -= 1
+                continue
+            yield index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Returns when the client goes away. Only call after the body has been read."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
+    """Runs `work`; if the client disconnects first, cancels it (→ abort). (gone, result)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return False, task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        return True, None
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+def sse(payload: Any) -> str:
+    if hasattr(payload, "model_dump_json"):
+        return f"data: {payload.model_dump_json()}\n\n"
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    """An error in the middle of a stream: the OpenAI error body as one SSE event."""
+    if isinstance(exc, APIError):
+        body = error_body(exc.message, exc.status, param=exc.param, code=exc.code)
+    elif isinstance(exc, EngineDeadError):
+        err = dead_engine_error(exc)
+        body = error_body(err.message, err.status, code=err.code)
+    else:
+        logger.error("stream failed: %s: %s", type(exc).__name__, exc)
+        body = error_body(f"internal server error: {type(exc).__name__}", 500)
+    return sse(body)
+
+
+class SSEResponse(StreamingResponse):
+    """A server-sent-event stream that always watches for the client going away.
+
+    Starlette only watches for ASGI spec < 2.4; we want the generator cancelled (and the
+    request aborted in the core) promptly whatever the server, even before the next token.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], headers: dict[str, str] | None = None):
+        base = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(content, headers={**base, **(headers or {})})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream_task = asyncio.ensure_future(self.stream_response(send))
+        watcher = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({stream_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (stream_task, watcher):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(stream_task, watcher, return_exceptions=True)
+            closer: Callable[[], Awaitable[Any]] | None = getattr(
+                self.body_iterator, "aclose", None)
+            if closer is not None:
+                with contextlib.suppress(Exception):
+                    await closer()
+        if stream_task.done() and not stream_task.cancelled():
+            exc = stream_task.exception()
+            if exc is not None and not isinstance(exc, OSError):
+                raise exc
+
+
+async def primed(stream: AsyncIterator[Any]) -> tuple[Any, AsyncIterator[Any]]:
+    """Takes the first item so errors raised before the first output become an HTTP status
+    (not a 200 followed by an error event). Returns (first item or None, the rest)."""
+    try:
+        first = await stream.__anext__()
+    except StopAsyncIteration:
+        return None, stream
+    return first, stream

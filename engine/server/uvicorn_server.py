@@ -1,0 +1,53 @@
+"""uvicorn with draining: on SIGTERM/SIGINT the app is told to refuse new requests (503) at
+once, uvicorn stops accepting connections and waits up to `drain_timeout` for in-flight
+requests, then cancels what is left.
+
+uvicorn re-raises a captured signal after serving, which would kill the process before the
+caller shuts the engine down; this server does not, so the caller's `finally` always runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Generator
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, app: Any, *, host: str, port: int, drain_timeout: float,
+                 log_level: str = "info", access_log: bool = False) -> None:
+        config = uvicorn.Config(
+            app, host=host, port=port, lifespan="off", log_level=log_level,
+            access_log=access_log, timeout_graceful_shutdown=drain_timeout,
+            timeout_keep_alive=5,
+        )
+        super().__init__(config)
+        self._app = app
+
+    def begin_drain(self) -> None:
+        self._app.state.draining = True
+        self.should_exit = True
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            self.force_exit = True  # a second signal: stop waiting for in-flight requests
+        self.begin_drain()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in _SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

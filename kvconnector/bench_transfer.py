@@ -1,0 +1,250 @@
+"""`pdserve bench transfer`: push-mode KV transfer bandwidth between two real processes.
+
+D and P each hold a KV cache shaped for the model (``config.json``: layers, KV heads, head dim;
+float32, layout [num_blocks, layers, 2, block_size, kv_heads, head_dim]) in their own spawned
+process, with a NIXL agent (progress thread off) and a side channel. Per iteration, as in the
+real push flow: D sends ``PUSH_REG`` for ceil(N / block_size) blocks, P (which handshakes with D
+through D's side channel on the first registration) WRITEs its blocks into D's with the
+completion notification, and D waits for that completion. Both sides poll while waiting.
+
+Reported (JSON, DESIGN §3): ``bytes`` per transfer, ``descriptors`` per transfer, ``gbps``
+(bytes / median WRITE time on P, submit -> DONE, in GB/s = 1e9 bytes/s), ``memcpy_gbps``
+(single-thread ``torch.Tensor.copy_`` of the same number of bytes, same run) and
+``ratio = gbps / memcpy_gbps``; plus end-to-end figures (D: PUSH_REG sent -> completion seen)
+and ``verified`` (D's blocks equal P's, compared by per-block checksums).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+HOST = "127.0.0.1"
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="local Hugging Face model directory")
+    parser.add_argument("--num-tokens", type=int, required=True, help="prompt tokens to move")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--layout", choices=("contiguous", "scattered"), default="contiguous",
+                        help="D's block ids: one run, or every other block (one descriptor each)")
+    parser.add_argument("--backends", default="UCX", help="comma-separated NIXL backends")
+    parser.add_argument("--result-json", default=None)
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * 4
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+def model_shape(model_dir: str, block_size: int) -> Shape:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return Shape(cfg["num_hidden_layers"], cfg.get("num_key_value_heads") or heads, head_dim,
+                 block_size)
+
+
+def _compat(shape: Shape) -> str:
+    from kvconnector.handshake import compat_hash
+
+    return compat_hash("bench", "float32", shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                       shape.block_size, "push")
+
+
+def _setup(name: str, shape: Shape, num_blocks: int, backends: list[str]) -> tuple:
+    import torch
+
+    from kvconnector.handshake import SideChannelServer
+    from kvconnector.nixl import NixlTransport
+
+    seed = torch.Generator().manual_seed(ord(name[0]))  # P and D hold different data
+    cache = torch.randn(shape.cache_shape(num_blocks), generator=seed)
+    transport = NixlTransport(name, cache, shape.bytes_per_block, backends,
+                              engine_id=f"bench-{name}", block_size=shape.block_size,
+                              compat_hash=_compat(shape))
+    server = SideChannelServer(HOST, 0, transport.local_metadata).start()
+    return cache, transport, server
+
+
+def _checksums(cache: Any, ids: list[int]) -> list[float]:
+    return cache[ids].flatten(1).double().sum(1).tolist()
+
+
+def _run_prefill(conn: Any, shape: Shape, ids: list[int], total: int, backends: list[str]) -> None:
+    from kvconnector import wire
+    from kvconnector.handshake import fetch_peer_metadata
+
+    cache, transport, server = _setup("P", shape, len(ids) + 1, backends)
+    conn.send(server.port)
+    times, descriptors, done = [], 0, 0
+    while done < total:
+        for _, raw in transport.get_new_notifs():
+            reg = wire.decode_notif(raw)
+            if not isinstance(reg, wire.PushReg):
+                continue
+            if "D" not in transport.peers():
+                transport.add_peer(fetch_peer_metadata(reg.decode_host, reg.decode_port,
+                                                       _compat(shape), 10.0))
+            start = time.perf_counter()
+            handle = transport.write("D", ids, reg.local_block_ids[0],
+                                     wire.encode_completion(reg.request_id, 1))
+            while (state := transport.check(handle)) == "PROC":
+                pass
+            times.append(time.perf_counter() - start)
+            if state != "DONE":
+                raise RuntimeError(f"bench WRITE for {reg.request_id} ended {state}")
+            descriptors = handle.descriptors
+            transport.release(handle)
+            done += 1
+    conn.send((times, descriptors, _checksums(cache, ids)))
+    conn.recv()  # keep the agent alive until D has read everything
+    server.stop()
+    transport.shutdown()
+
+
+def _run_decode(conn: Any, shape: Shape, ids: list[int], total: int, backends: list[str]) -> None:
+    import secrets
+
+    from kvconnector import wire
+    from kvconnector.handshake import fetch_peer_metadata
+
+    cache, transport, server = _setup("D", shape, max(ids) + 1, backends)
+    p_port = conn.recv()
+    transport.add_peer(fetch_peer_metadata(HOST, p_port, _compat(shape), 10.0))
+    times = []
+    for i in range(total):
+        req_id = f"bench-{i}-{secrets.token_hex(4)}"
+        reg = wire.PushReg(req_id, f"tx-{i}", "bench-D", HOST, server.port, 1, [ids], 0,
+                           "bench-P", HOST, p_port, 1)
+        start = time.perf_counter()
+        transport.send_notif("P", wire.encode_push_reg(reg))
+        deadline = time.monotonic() + 60
+        while not any(wire.decode_notif(m) == wire.Completion(req_id, 1)
+                      for _, m in transport.get_new_notifs()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no completion for {req_id} within 60 s")
+        times.append(time.perf_counter() - start)
+    conn.send((times, _checksums(cache, ids)))
+    conn.recv()
+    server.stop()
+    transport.shutdown()
+
+
+def memcpy_gbps(nbytes: int, iters: int) -> float:
+    """Single-thread torch copy_ bandwidth for ``nbytes`` (median of ``iters``), GB/s."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.randn(max(1, nbytes // 4))
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        times = []
+        for _ in range(max(3, iters)):
+            start = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return src.numel() * 4 / statistics.median(times) / 1e9
+
+
+def run(model: str, num_tokens: int, block_size: int = 16, iters: int = 10, warmup: int = 2,
+        layout: str = "contiguous", backends: tuple[str, ...] = ("UCX",)) -> dict[str, Any]:
+    if num_tokens < 1 or iters < 1 or warmup < 0:
+        raise ValueError("need --num-tokens >= 1, --iters >= 1, --warmup >= 0")
+    shape = model_shape(model, block_size)
+    nblocks = math.ceil(num_tokens / block_size)
+    p_ids = list(range(nblocks))
+    d_ids = [1 + i for i in p_ids] if layout == "contiguous" else [2 * i + 1 for i in p_ids]
+    total = warmup + iters
+    ctx = mp.get_context("spawn")
+    p_conn, p_child = ctx.Pipe()
+    d_conn, d_child = ctx.Pipe()
+    procs = [ctx.Process(target=_run_prefill, args=(p_child, shape, p_ids, total, list(backends)),
+                         name="bench-transfer-P", daemon=True),
+             ctx.Process(target=_run_decode, args=(d_child, shape, d_ids, total, list(backends)),
+                         name="bench-transfer-D", daemon=True)]
+    for proc in procs:
+        proc.start()
+    try:
+        d_conn.send(_recv(p_conn, procs, 120))
+        p_times, descriptors, p_sums = _recv(p_conn, procs, 600)
+        d_times, d_sums = _recv(d_conn, procs, 600)
+        for conn in (p_conn, d_conn):
+            conn.send("exit")
+        for proc in procs:
+            proc.join(30)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+    nbytes = nblocks * shape.bytes_per_block
+    write_s = statistics.median(p_times[warmup:])
+    e2e_s = statistics.median(d_times[warmup:])
+    gbps = nbytes / write_s / 1e9
+    mem = memcpy_gbps(nbytes, iters)
+    return {
+        "bytes": nbytes, "descriptors": descriptors, "gbps": _sig(gbps),
+        "memcpy_gbps": _sig(mem), "ratio": _sig(gbps / mem),
+        "e2e_gbps": _sig(nbytes / e2e_s / 1e9),
+        "write_ms_median": _sig(write_s * 1e3),
+        "write_ms_p99": _sig(_pct(p_times[warmup:], 0.99) * 1e3),
+        "e2e_ms_median": _sig(e2e_s * 1e3),
+        "num_blocks": nblocks, "bytes_per_block": shape.bytes_per_block, "iters": iters,
+        "layout": layout, "shape": asdict(shape), "unit": "GB/s (1e9 bytes/s)",
+        "ucx_tls": os.environ.get("UCX_TLS", "(default)"), "verified": p_sums == d_sums,
+    }
+
+
+def _recv(conn: Any, procs: list, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while not conn.poll(0.2):
+        dead = [p.name for p in procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"bench process {', '.join(dead)} died (see its traceback above)")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"bench processes did not report within {timeout:.0f} s")
+    return conn.recv()
+
+
+def _sig(value: float) -> float:
+    return float(f"{value:.6g}")
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args.model, args.num_tokens, args.block_size, args.iters, args.warmup,
+                 args.layout, tuple(b for b in args.backends.split(",") if b))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            f.write(text + "\n")
+    return 0 if result["verified"] else 1

@@ -1,0 +1,439 @@
+"""A thin wrapper over one NIXL agent: the KV-cache region, per-peer descriptor lists, WRITE/READ
+with completion notifications, standalone notifications, and test-only fault injection.
+
+Layout: the KV cache is ONE contiguous tensor ``[num_blocks, ...]``; block ``b`` is the byte range
+``[base + b * bytes_per_block, + bytes_per_block)`` across every layer and K/V. Descriptor lists
+with one entry per block are prepared once (local at construction, remote in :meth:`add_peer`);
+a transfer picks entries by block id and NIXL merges entries that are consecutive on both sides,
+so a transfer costs one descriptor per run of consecutive (local, remote) ids
+(:func:`count_runs`; verified against NIXL telemetry in tests).
+
+Progress: the agent runs WITHOUT NIXL's progress thread (it spins a core even when idle). A
+transfer then only advances inside calls on this object, and on BOTH agents: the initiator must
+poll :meth:`check` and the target must poll :meth:`get_new_notifs` until the initiator sees DONE
+(measured with UCX 1.x in nixl 1.5: with the target idle the initiator stays at PROC, even when
+the bytes have already landed through CMA). Writer threads poll while they have work and sleep
+otherwise.
+
+Threads: every agent call is serialised by one lock, so any thread may call any method.
+
+Fault injection (tests only; off unless a ``fault_injection`` dict is given). Keys:
+- ``drop_notif``: list of kinds whose outgoing notifications vanish: ``PUSH_REG``, ``PUSH_FAIL``,
+  ``PUSH_CANCEL``, ``PUSH_CANCEL_ACK``, ``HB`` (standalone) or ``COMPLETION`` (the notification
+  that rides on a WRITE/READ; the data still moves).
+- ``delay_notif``: ``{kind: seconds}`` — the notification is held back and goes out on the first
+  call to this transport (``get_new_notifs``, ``check``, ``send_notif``, ``flush``) after the
+  delay (a delayed COMPLETION goes out once its transfer is DONE and the delay has passed).
+- ``fail_write`` / ``fail_read``: true — submission raises :class:`TransferError`.
+- ``fail_handshake``: true — :meth:`add_peer` raises :class:`HandshakeError`.
+- ``delay_write_completion_s``: :meth:`check` reports "PROC" until this long after submission.
+- ``probability`` (default 1.0) and ``seed``: each listed fault fires per operation with this
+  probability from a seeded RNG (soak tests). ``max_faults``: stop injecting after this many.
+Injected faults are counted in ``fault_counts`` by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvconnector import wire
+from kvconnector.handshake import AgentMetadata, HandshakeError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AgentMetadata", "FaultInjection", "NixlTransport", "TransferError", "XferHandle",
+           "count_runs"]
+
+_NOTIF_KINDS = (*wire.TAGS, wire.COMPLETION)
+
+
+class TransferError(RuntimeError):
+    """A transfer or notification could not be submitted; the message names the peer."""
+
+
+def count_runs(local_ids: Any, remote_ids: Any) -> int:
+    """Descriptors a transfer needs: runs where both local and remote ids step by +1."""
+    local, remote = np.asarray(local_ids, dtype=np.int64), np.asarray(remote_ids, dtype=np.int64)
+    if local.size == 0:
+        return 0
+    breaks = (np.diff(local) != 1) | (np.diff(remote) != 1)
+    return 1 + int(np.count_nonzero(breaks))
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Parsed ``fault_injection`` dict (see the module docstring). Unknown keys are an error."""
+
+    drop_notif: frozenset[str] = frozenset()
+    delay_notif: dict[str, float] = field(default_factory=dict)
+    fail_write: bool = False
+    fail_read: bool = False
+    fail_handshake: bool = False
+    delay_write_completion_s: float = 0.0
+    probability: float = 1.0
+    seed: int | None = None
+    max_faults: int | None = None
+
+    def __post_init__(self) -> None:
+        for kind in (*self.drop_notif, *self.delay_notif):
+            if kind not in _NOTIF_KINDS:
+                raise ValueError(f"fault_injection: unknown notification kind {kind!r}; "
+                                 f"known: {', '.join(_NOTIF_KINDS)}")
+        if not 0.0 <= self.probability <= 1.0:
+            raise ValueError(f"fault_injection: probability must be in [0, 1]: {self.probability}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FaultInjection:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"fault_injection: unknown key(s) {', '.join(unknown)}")
+        data = dict(data)
+        data["drop_notif"] = frozenset(data.get("drop_notif", ()))
+        data["delay_notif"] = {k: float(v) for k, v in dict(data.get("delay_notif", {})).items()}
+        return cls(**data)
+
+
+@dataclass(eq=False)
+class XferHandle:
+    """One submitted WRITE or READ. Owned by the transport; pass it back to check/release."""
+
+    peer: str
+    op: str
+    nbytes: int
+    descriptors: int
+    submitted_at: float
+    _nixl: Any = field(repr=False)
+    _ready_at: float = 0.0  # injected completion delay
+    _deferred_notif: bytes = b""  # a delayed completion notification
+    _notif_due: float = 0.0
+    _released: bool = False
+    state: str = "PROC"  # last state NIXL reported
+
+
+@dataclass
+class _Peer:
+    meta: AgentMetadata
+    dlist: Any  # prepped remote descriptor list, one entry per remote block
+
+
+class NixlTransport:
+    """One NIXL agent over one engine's KV cache. See the module docstring for the invariants."""
+
+    def __init__(self, name: str, kv_cache: torch.Tensor, bytes_per_block: int,
+                 backends: tuple[str, ...] | list[str] = ("UCX",),
+                 fault_injection: dict[str, Any] | None = None, *, engine_id: str = "",
+                 block_size: int = 0, tp_rank: int = 0, tp_size: int = 1,
+                 compat_hash: str = "", telemetry: bool = False) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        if not kv_cache.is_contiguous() or kv_cache.dim() < 1:
+            raise ValueError("kv_cache must be one contiguous tensor [num_blocks, ...]")
+        nbytes = kv_cache.numel() * kv_cache.element_size()
+        if bytes_per_block < 1 or kv_cache.shape[0] * bytes_per_block != nbytes:
+            raise ValueError(f"bytes_per_block {bytes_per_block} does not match kv_cache "
+                             f"{tuple(kv_cache.shape)} {kv_cache.dtype} ({nbytes} bytes)")
+        self.name = name
+        self.kv_cache = kv_cache
+        self.num_blocks = int(kv_cache.shape[0])
+        self.bytes_per_block = bytes_per_block
+        self.mem_type = "DRAM" if kv_cache.device.type == "cpu" else "VRAM"
+        self.device_id = kv_cache.device.index or 0
+        self.faults = FaultInjection.from_dict(fault_injection) if fault_injection else None
+        self.fault_counts: dict[str, int] = {}
+        self._rng = random.Random(self.faults.seed if self.faults else None)
+        self._lock = threading.RLock()
+        self._peers: dict[str, _Peer] = {}
+        self._live: set[XferHandle] = set()
+        self._delayed: list[tuple[float, str, bytes]] = []
+        self._closed = False
+
+        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
+                                   backends=list(backends), capture_telemetry=telemetry)
+        self._agent = nixl_agent(name, config)
+        if not self._agent.backends:
+            raise TransferError(f"NIXL agent {name}: none of the backends {list(backends)} "
+                                f"is available (plugins: {self._agent.get_plugin_list()})")
+        base = kv_cache.data_ptr()
+        self._reg = self._agent.register_memory([(base, nbytes, self.device_id, "")],
+                                                self.mem_type)
+        self._local_dlist = self._agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", _block_descs(base, self.num_blocks, bytes_per_block,
+                                            self.device_id), self.mem_type)
+        self._meta = AgentMetadata(
+            agent_name=name, agent_blob=self._agent.get_agent_metadata(), base_addr=base,
+            num_blocks=self.num_blocks, bytes_per_block=bytes_per_block, block_size=block_size,
+            tp_rank=tp_rank, tp_size=tp_size, engine_id=engine_id, compat_hash=compat_hash,
+            physical_blocks_per_logical=1, mem_type=self.mem_type, device_id=self.device_id)
+
+    # ------------------------------------------------------------ peers
+
+    def local_metadata(self) -> AgentMetadata:
+        return self._meta
+
+    def add_peer(self, meta: AgentMetadata) -> str:
+        """Load a peer's metadata and prepare its block descriptors. Idempotent per blob."""
+        if self._inject("fail_handshake", self.faults and self.faults.fail_handshake):
+            raise HandshakeError(meta.agent_name, "injected fault", "fail_handshake")
+        if meta.bytes_per_block != self.bytes_per_block or meta.physical_blocks_per_logical != 1:
+            raise TransferError(
+                f"peer {meta.agent_name} (engine {meta.engine_id!r}) has {meta.bytes_per_block} "
+                f"bytes x {meta.physical_blocks_per_logical} per block; we have "
+                f"{self.bytes_per_block} x 1")
+        with self._lock:
+            old = self._peers.get(meta.agent_name)
+            if old is not None and old.meta.agent_blob == meta.agent_blob:
+                return meta.agent_name
+            if old is not None:
+                self._remove_peer_locked(meta.agent_name)
+            name = self._agent.add_remote_agent(meta.agent_blob)
+            name = name.decode() if isinstance(name, bytes) else name
+            if name != meta.agent_name:
+                self._agent.remove_remote_agent(name)
+                raise TransferError(f"peer metadata names agent {meta.agent_name!r} "
+                                    f"but its blob is agent {name!r}")
+            dlist = self._agent.prep_xfer_dlist(
+                name, _block_descs(meta.base_addr, meta.num_blocks, meta.bytes_per_block,
+                                   meta.device_id), meta.mem_type)
+            self._peers[name] = _Peer(meta, dlist)
+        logger.info("NIXL %s: added peer %s (engine %r, %d blocks)", self.name, name,
+                    meta.engine_id, meta.num_blocks)
+        return name
+
+    def remove_peer(self, name: str) -> None:
+        with self._lock:
+            self._remove_peer_locked(name)
+
+    def _remove_peer_locked(self, name: str) -> None:
+        peer = self._peers.pop(name, None)
+        if peer is None:
+            return
+        _quiet(peer.dlist.release, f"release dlist of {name}")
+        _quiet(lambda: self._agent.remove_remote_agent(name), f"remove agent {name}")
+
+    def peers(self) -> list[str]:
+        with self._lock:
+            return list(self._peers)
+
+    # ------------------------------------------------------------ transfers
+
+    def write(self, peer: str, local_block_ids: list[int], remote_block_ids: list[int],
+              notif: bytes = b"") -> XferHandle:
+        """WRITE local blocks into the peer's blocks; ``notif`` reaches the peer once landed."""
+        return self._submit("WRITE", peer, local_block_ids, remote_block_ids, notif)
+
+    def read(self, peer: str, local_block_ids: list[int], remote_block_ids: list[int],
+             notif: bytes = b"") -> XferHandle:
+        """READ the peer's blocks into local blocks; ``notif`` tells the peer when done."""
+        return self._submit("READ", peer, local_block_ids, remote_block_ids, notif)
+
+    def _submit(self, op: str, peer_name: str, local_ids: list[int], remote_ids: list[int],
+                notif: bytes) -> XferHandle:
+        local = np.asarray(local_ids, dtype=np.int64)
+        remote = np.asarray(remote_ids, dtype=np.int64)
+        with self._lock:
+            peer = self._peers.get(peer_name)
+            if peer is None:
+                raise TransferError(f"{op} to unknown peer {peer_name!r} (no handshake yet)")
+            _check_ids(local, self.num_blocks, f"local ({self.name})")
+            _check_ids(remote, peer.meta.num_blocks, f"remote ({peer_name})")
+            if local.size != remote.size or local.size == 0:
+                raise ValueError(f"{op} to {peer_name}: {local.size} local vs {remote.size} "
+                                 f"remote block ids (need equal, non-zero)")
+            faults = self.faults
+            flag = faults is not None and (faults.fail_write if op == "WRITE" else faults.fail_read)
+            if self._inject(f"fail_{op.lower()}", flag):
+                raise TransferError(f"{op} to {peer_name}: injected submission failure")
+            now = time.monotonic()
+            handle = XferHandle(peer_name, op, int(local.size) * self.bytes_per_block,
+                                count_runs(local, remote), now, None)
+            notif = self._completion_notif(notif, handle, now)
+            try:
+                xfer = self._agent.make_prepped_xfer(op, self._local_dlist, local.astype(np.int32),
+                                                     peer.dlist, remote.astype(np.int32), notif)
+            except Exception as e:
+                raise TransferError(f"{op} to {peer_name}: cannot create transfer: {e}") from e
+            handle._nixl = xfer
+            try:
+                state = self._agent.transfer(xfer)
+            except Exception as e:  # e.g. nixlRemoteDisconnectError: the peer died
+                state, detail = "ERR", f"{type(e).__name__}: {e}"
+            else:
+                detail = "NIXL returned ERR"
+            if state == "ERR":
+                _quiet(xfer.release, f"release failed {op} to {peer_name}")
+                raise TransferError(f"{op} to {peer_name}: submission failed: {detail}")
+            if self.faults and self._inject("delay_write_completion",
+                                            self.faults.delay_write_completion_s > 0):
+                handle._ready_at = now + self.faults.delay_write_completion_s
+            handle.state = state
+            self._live.add(handle)
+            return handle
+
+    def _completion_notif(self, notif: bytes, handle: XferHandle, now: float) -> bytes:
+        if not notif or self.faults is None:
+            return notif
+        if self._inject("drop_notif:COMPLETION", wire.COMPLETION in self.faults.drop_notif):
+            return b""
+        delay = self.faults.delay_notif.get(wire.COMPLETION, 0.0)
+        if self._inject("delay_notif:COMPLETION", delay > 0):
+            handle._deferred_notif, handle._notif_due = notif, now + delay
+            return b""
+        return notif
+
+    def check(self, handle: XferHandle) -> str:
+        """"DONE", "PROC" or "ERR". Drives progress on this side; call until not "PROC"."""
+        with self._lock:
+            self._flush_locked()
+            if handle._released:
+                return handle.state
+            if handle.state == "PROC" or (handle.state == "DONE" and handle._deferred_notif):
+                if handle.state == "PROC":
+                    try:
+                        handle.state = self._agent.check_xfer_state(handle._nixl)
+                    except Exception as e:
+                        logger.warning("NIXL %s: %s to %s failed: %s", self.name, handle.op,
+                                       handle.peer, e)
+                        handle.state = "ERR"
+                if handle.state == "DONE" and handle._deferred_notif:
+                    self._delayed.append((handle._notif_due, handle.peer, handle._deferred_notif))
+                    handle._deferred_notif = b""
+                    self._flush_locked()
+            if handle.state == "DONE" and time.monotonic() < handle._ready_at:
+                return "PROC"
+            return handle.state
+
+    def release(self, handle: XferHandle) -> bool:
+        """Free a finished transfer. Returns False, and frees nothing, while it is in flight.
+
+        An in-flight WRITE is never cancelled here: NIXL's cancel does not undo bytes that CMA
+        already copied, and over a network they may still land. A transfer is over only once
+        :meth:`check` says DONE or ERR (the point where PUSH_CANCEL_ACK may be sent)."""
+        with self._lock:
+            if handle._released:
+                return True
+            if self.check(handle) == "PROC":
+                return False
+            try:
+                handle._nixl.release()
+            except Exception as e:  # kept in _live; shutdown() tries again
+                logger.warning("NIXL %s: cannot release %s to %s: %s", self.name,
+                               handle.op, handle.peer, e)
+                return False
+            handle._released = True
+            self._live.discard(handle)
+            return True
+
+    # ------------------------------------------------------------ notifications
+
+    def send_notif(self, peer_name: str, msg: bytes) -> None:
+        """Send a standalone notification. Raises TransferError naming the peer on failure."""
+        with self._lock:
+            self._flush_locked()
+            if self.faults is not None:
+                kind = wire.notif_kind(msg)
+                if self._inject(f"drop_notif:{kind}", kind in self.faults.drop_notif):
+                    return
+                delay = self.faults.delay_notif.get(kind, 0.0)
+                if self._inject(f"delay_notif:{kind}", delay > 0):
+                    self._delayed.append((time.monotonic() + delay, peer_name, bytes(msg)))
+                    return
+            self._send_locked(peer_name, msg)
+
+    def _send_locked(self, peer_name: str, msg: bytes) -> None:
+        if peer_name not in self._peers:
+            raise TransferError(f"notification to unknown peer {peer_name!r} (no handshake yet)")
+        try:
+            self._agent.send_notif(peer_name, bytes(msg))
+        except Exception as e:
+            raise TransferError(f"notification to {peer_name} failed: {e}") from e
+
+    def get_new_notifs(self) -> list[tuple[str, bytes]]:
+        """Drain received notifications as (sender agent name, message), oldest first per peer.
+
+        Also drives this agent's progress (the target side of a transfer must call it)."""
+        with self._lock:
+            self._flush_locked()
+            got = self._agent.get_new_notifs()
+        return [(str(name), bytes(m)) for name, msgs in got.items() for m in msgs]
+
+    def flush(self) -> None:
+        """Send delayed notifications that are due."""
+        with self._lock:
+            self._flush_locked()
+
+    def has_delayed(self) -> bool:
+        return bool(self._delayed)
+
+    def _flush_locked(self) -> None:
+        if not self._delayed:
+            return
+        now = time.monotonic()
+        due = [d for d in self._delayed if d[0] <= now]
+        self._delayed = [d for d in self._delayed if d[0] > now]
+        for _, peer_name, msg in due:
+            try:
+                self._send_locked(peer_name, msg)
+            except TransferError as e:
+                logger.warning("NIXL %s: delayed notification lost: %s", self.name, e)
+
+    def _inject(self, fault: str, armed: Any) -> bool:
+        if not armed or self.faults is None:
+            return False
+        total = sum(self.fault_counts.values())
+        if self.faults.max_faults is not None and total >= self.faults.max_faults:
+            return False
+        if self.faults.probability < 1.0 and self._rng.random() >= self.faults.probability:
+            return False
+        self.fault_counts[fault] = self.fault_counts.get(fault, 0) + 1
+        logger.warning("NIXL %s: injecting fault %s", self.name, fault)
+        return True
+
+    # ------------------------------------------------------------ teardown
+
+    def telemetry_descriptors(self, handle: XferHandle) -> int:
+        """Descriptors NIXL actually used (needs ``telemetry=True``)."""
+        with self._lock:
+            return int(self._agent.get_xfer_telemetry(handle._nixl).descCount)
+
+    def shutdown(self) -> None:
+        """Release every transfer, peer and registration. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for handle in list(self._live):
+                _quiet(handle._nixl.release, f"release {handle.op} to {handle.peer}")
+            self._live.clear()
+            for name in list(self._peers):
+                self._remove_peer_locked(name)
+            _quiet(self._local_dlist.release, "release local dlist")
+            _quiet(lambda: self._agent.deregister_memory(self._reg), "deregister KV cache")
+
+
+def _block_descs(base: int, num_blocks: int, bytes_per_block: int, device_id: int) -> np.ndarray:
+    descs = np.empty((num_blocks, 3), dtype=np.uint64)
+    descs[:, 0] = base + np.arange(num_blocks, dtype=np.uint64) * np.uint64(bytes_per_block)
+    descs[:, 1] = bytes_per_block
+    descs[:, 2] = device_id
+    return descs
+
+
+def _check_ids(ids: np.ndarray, num_blocks: int, side: str) -> None:
+    if ids.ndim != 1 or (ids.size and (ids.min() < 0 or ids.max() >= num_blocks)):
+        raise ValueError(f"{side} block ids out of range [0, {num_blocks})")
+
+
+def _quiet(fn: Any, what: str) -> None:
+    try:
+        fn()
+    except Exception as e:  # teardown continues past one failed step
+        logger.warning("NIXL teardown: %s failed: %s", what, e)

@@ -1,0 +1,55 @@
+"""What the push scheduler half hands the worker half each step (same process)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Registration:
+    """D side: blocks D preallocated for a prompt, to be registered with P."""
+
+    request_id: str
+    transfer_id: str
+    local_block_ids: list[int]  # D's ids for prompt blocks first_block_index, ...
+    first_block_index: int
+    num_prompt_tokens: int
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_tp_size: int
+
+
+@dataclass(frozen=True)
+class Queued:
+    """D side: a remote-prefill request that waits in D's queue before its blocks exist."""
+
+    request_id: str
+    transfer_id: str
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+
+
+@dataclass(frozen=True)
+class FinishedBlocks:
+    """P side: a finished prefill's prompt blocks, to be written into D under a lease."""
+
+    request_id: str
+    transfer_id: str | None
+    block_ids: list[int]  # every prompt block, in prompt order
+    num_prompt_tokens: int
+
+
+@dataclass
+class PushMeta:
+    registrations: list[Registration] = field(default_factory=list)  # D: send PUSH_REG
+    queued: list[Queued] = field(default_factory=list)  # D: heartbeat P while queued
+    watchdog_expired: list[str] = field(default_factory=list)  # D: give up, cancel at P
+    released: list[str] = field(default_factory=list)  # D: request over; free when safe
+    finished_blocks: list[FinishedBlocks] = field(default_factory=list)  # P: write these
+    aborted: list[tuple[str, str | None]] = field(default_factory=list)  # P: (id, transfer)
+
+    def brings_work(self) -> bool:
+        return bool(self.registrations or self.queued or self.watchdog_expired or self.released
+                    or self.finished_blocks or self.aborted)

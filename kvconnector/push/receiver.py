@@ -1,0 +1,249 @@
+"""D side of the push writer: register preallocated blocks with P, await the WRITE.
+
+Owned by the writer thread. A request's blocks become free-able (`done`) only once it is
+released by the scheduler AND no WRITE from P can still land in them ("safe"): the WRITE
+completed, P said PUSH_FAIL, P acknowledged our PUSH_CANCEL, the registration never left
+D, or the quarantine deadline passed (P never posts for a registration older than its
+ttl, so after `2 * ttl + grace` since sending nothing can land).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvconnector import wire
+from kvconnector.push.meta import Queued, Registration
+from kvconnector.push.peers import Address, Peers
+
+logger = logging.getLogger(__name__)
+
+_PROBE_FAILURES_FOR_DEAD = 2
+
+
+@dataclass
+class Waiting:
+    reg: Registration
+    sent_at: float
+
+    @property
+    def addr(self) -> Address:
+        return (self.reg.remote_host, self.reg.remote_port)
+
+
+class Receiver:
+    def __init__(self, transport: Any, peers: Peers, clock: Callable[[], float], *,
+                 identity: dict[str, Any], ttl: float, hb_interval: float, grace: float,
+                 stats: dict[str, float]) -> None:
+        self.t = transport
+        self.peers = peers
+        self.clock = clock
+        self.identity = identity  # decode_engine_id, decode_host, decode_port, tp size
+        self.ttl = ttl
+        self.hb_interval = hb_interval
+        self.grace = grace
+        self.stats = stats
+        self.queued: dict[str, Queued] = {}  # waiting in D's queue: heartbeat only
+        self.unsent: dict[str, Registration] = {}  # waiting for the handshake with P
+        self.waiting: dict[str, Waiting] = {}  # PUSH_REG sent, no completion yet
+        self.quarantine: dict[str, tuple[Address, float]] = {}  # cancelled: unacked until
+        self.safe: set[str] = set()  # no WRITE can land any more
+        self.released: set[str] = set()  # the scheduler is done with the request
+        self.finished_recving: set[str] = set()
+        self.failed_recving: dict[str, str] = {}
+        self.done: set[str] = set()
+        self._next_hb = 0.0
+        self._probe_failures: dict[Address, int] = {}
+        self.probe_results: queue.SimpleQueue[tuple[Address, bool]] = queue.SimpleQueue()
+
+    # --- events from the scheduler ------------------------------------------------
+    def on_queued(self, q: Queued) -> None:
+        self.queued[q.request_id] = q
+        self.peers.get((q.remote_host, q.remote_port))  # handshake while D queues
+
+    def on_registration(self, reg: Registration) -> None:
+        self.queued.pop(reg.request_id, None)
+        self.unsent[reg.request_id] = reg
+
+    def on_watchdog(self, rid: str) -> None:
+        if rid in self.unsent:
+            del self.unsent[rid]
+            self._fail(rid, "registration never reached P before the watchdog", safe=True)
+        elif rid in self.waiting:
+            self._cancel(rid, "no KV from P within push_registration_timeout")
+
+    def on_released(self, rid: str) -> None:
+        self.released.add(rid)
+        if self.queued.pop(rid, None) is not None or self.unsent.pop(rid, None) is not None:
+            self.safe.add(rid)
+        elif rid in self.waiting:
+            self._cancel(rid, None)
+        elif rid not in self.quarantine:
+            self.safe.add(rid)
+        self._settle(rid)
+
+    # --- events from P ------------------------------------------------------------
+    def on_completion(self, rid: str) -> None:
+        if self.waiting.pop(rid, None) is not None and rid not in self.released:
+            self.finished_recving.add(rid)
+        elif self.quarantine.pop(rid, None) is not None:
+            logger.info("WRITE for cancelled %s completed before the cancel reached P", rid)
+        else:
+            logger.warning("completion for unknown request %s dropped", rid)
+            return
+        self.safe.add(rid)
+        self._settle(rid)
+
+    def on_push_fail(self, rid: str, reason: str) -> None:
+        known = self.waiting.pop(rid, None) or self.quarantine.pop(rid, None)
+        if known is None:
+            logger.warning("PUSH_FAIL for unknown request %s dropped", rid)
+            return
+        if rid not in self.released and not isinstance(known, tuple):
+            self.failed_recving[rid] = f"prefill engine will not write: {reason}"
+        self.safe.add(rid)
+        self._settle(rid)
+
+    def on_cancel_ack(self, rid: str) -> None:
+        if self.quarantine.pop(rid, None) is not None:
+            self.safe.add(rid)
+            self._settle(rid)
+
+    def on_probe(self, addr: Address, ok: bool) -> None:
+        if ok:
+            self._probe_failures.pop(addr, None)
+            return
+        n = self._probe_failures.get(addr, 0) + 1
+        self._probe_failures[addr] = n
+        if n >= _PROBE_FAILURES_FOR_DEAD:
+            self._peer_dead(addr)
+
+    # --- the poll -----------------------------------------------------------------
+    def poll(self) -> None:
+        now = self.clock()
+        for addr, ok in self._drain_probes():
+            self.on_probe(addr, ok)
+        self._send_unsent(now)
+        for rid, (_, deadline) in list(self.quarantine.items()):
+            if now >= deadline:
+                logger.warning("no cancel ack for %s by its deadline; P can no longer write",
+                               rid)
+                del self.quarantine[rid]
+                self.safe.add(rid)
+                self._settle(rid)
+        if now >= self._next_hb:
+            self._next_hb = now + self.hb_interval
+            self._heartbeat()
+
+    def needs_poll(self) -> bool:
+        """Poll while a WRITE may be landing (the target must progress too)."""
+        return bool(self.waiting or self.unsent)
+
+    def next_deadline(self) -> float | None:
+        times = [d for _, d in self.quarantine.values()]
+        if self.queued:
+            times.append(self._next_hb)
+        return min(times) if times else None
+
+    # --- internals ----------------------------------------------------------------
+    def _drain_probes(self) -> list[tuple[Address, bool]]:
+        out = []
+        while not self.probe_results.empty():
+            out.append(self.probe_results.get_nowait())
+        return out
+
+    def _send_unsent(self, now: float) -> None:
+        for rid, reg in list(self.unsent.items()):
+            addr = (reg.remote_host, reg.remote_port)
+            peer = self.peers.get(addr)
+            if peer.status == "pending":
+                continue
+            del self.unsent[rid]
+            if peer.status == "failed":
+                self._fail(rid, f"handshake with prefill engine {reg.remote_engine_id} at "
+                                f"{addr[0]}:{addr[1]} failed: {peer.reason}", safe=True)
+                continue
+            msg = wire.encode_push_reg(wire.PushReg(
+                request_id=rid, transfer_id=reg.transfer_id,
+                local_block_ids=[list(reg.local_block_ids)],
+                first_block_index=reg.first_block_index,
+                remote_engine_id=reg.remote_engine_id, remote_host=reg.remote_host,
+                remote_port=reg.remote_port, remote_tp_size=reg.remote_tp_size,
+                **self.identity,
+            ))
+            try:
+                self.t.send_notif(peer.agent_name, msg)
+            except Exception as e:  # noqa: BLE001
+                self._fail(rid, f"sending PUSH_REG to {addr[0]}:{addr[1]} failed: {e}",
+                           safe=True)
+                continue
+            self.stats["kv_push_registrations_sent_total"] += 1
+            self.waiting[rid] = Waiting(reg, now)
+
+    def _cancel(self, rid: str, failure: str | None) -> None:
+        w = self.waiting.pop(rid)
+        deadline = w.sent_at + 2 * self.ttl + self.grace
+        self.quarantine[rid] = (w.addr, deadline)
+        if failure and rid not in self.released:
+            self.failed_recving[rid] = failure
+            self.stats["kv_recv_failed_total"] += 1
+        peer = self.peers.get(w.addr)
+        if peer.status == "ready":
+            try:
+                self.t.send_notif(peer.agent_name,
+                                  wire.encode_push_cancel(rid, w.reg.transfer_id))
+            except Exception as e:  # noqa: BLE001 - the deadline still bounds the quarantine
+                logger.warning("PUSH_CANCEL for %s to %s:%d failed: %s", rid, *w.addr, e)
+
+    def _fail(self, rid: str, reason: str, safe: bool) -> None:
+        logger.warning("receiving KV for %s failed: %s", rid, reason)
+        if rid not in self.released:
+            self.failed_recving[rid] = reason
+            self.stats["kv_recv_failed_total"] += 1
+        if safe:
+            self.safe.add(rid)
+            self._settle(rid)
+
+    def _settle(self, rid: str) -> None:
+        if rid in self.safe and rid in self.released:
+            self.safe.discard(rid)
+            self.released.discard(rid)
+            self.done.add(rid)
+
+    def _heartbeat(self) -> None:
+        by_peer: dict[Address, list[str]] = {}
+        for q in self.queued.values():
+            by_peer.setdefault((q.remote_host, q.remote_port), []).append(q.transfer_id)
+        for w in self.waiting.values():
+            by_peer.setdefault(w.addr, []).append(w.reg.transfer_id)
+        for addr, ids in by_peer.items():
+            peer = self.peers.get(addr)
+            if peer.status == "ready":
+                try:
+                    self.t.send_notif(peer.agent_name, wire.encode_heartbeat(ids))
+                except Exception as e:  # noqa: BLE001
+                    logger.warning("heartbeat to %s:%d failed: %s", *addr, e)
+                    self.on_probe(addr, False)
+            if any(w.addr == addr for w in self.waiting.values()):
+                self.peers.probe(addr, lambda a, ok: self.probe_results.put((a, ok)))
+
+    def _peer_dead(self, addr: Address) -> None:
+        self._probe_failures.pop(addr, None)
+        self.peers.mark_failed(addr, "not answering")
+        for rid, w in list(self.waiting.items()):
+            if w.addr == addr:
+                self._cancel(rid, f"prefill engine {w.reg.remote_engine_id} at "
+                                  f"{addr[0]}:{addr[1]} is unreachable")
+        for rid, reg in list(self.unsent.items()):
+            if (reg.remote_host, reg.remote_port) == addr:
+                del self.unsent[rid]
+                self._fail(rid, f"prefill engine at {addr[0]}:{addr[1]} is unreachable",
+                           safe=True)
+
+    def table_sizes(self) -> dict[str, int]:
+        return {"d_queued": len(self.queued), "d_unsent": len(self.unsent),
+                "d_waiting": len(self.waiting), "d_quarantine": len(self.quarantine),
+                "d_safe": len(self.safe), "d_released": len(self.released)}

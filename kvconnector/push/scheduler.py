@@ -1,0 +1,155 @@
+"""Push mode, scheduler half (engine-core thread only; clock injectable for tests).
+
+D side: a request with `do_remote_prefill` asks for every prompt token it does not hold
+(asynchronously), gets blocks, and its registration is staged for the worker with a
+watchdog deadline. Every such request's blocks are freed only through the worker
+(delay-free), because only the worker knows whether a WRITE from P can still land.
+
+P side: a finished request with `do_remote_decode` keeps its blocks (delay-free); they
+go to the worker, which writes them into D under a lease and reports when they may be
+freed (`finished_sending`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.kv_connector import KVCacheSpec, KVConnectorOutput, KVConnectorScheduler
+from kvconnector.params import validate_kv_transfer_params
+from kvconnector.push.meta import FinishedBlocks, PushMeta, Queued, Registration
+
+logger = logging.getLogger(__name__)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PushScheduler(KVConnectorScheduler):
+    def __init__(self, config: EngineConfig, spec: KVCacheSpec,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        kv = config.kv_transfer_config
+        assert kv is not None
+        self.block_size = spec.block_size
+        self.clock = clock
+        self.registration_timeout = float(kv.extra("push_registration_timeout", 480.0))
+        self.load_failure_policy = kv.extra("kv_load_failure_policy", "recompute")
+        if self.load_failure_policy not in ("recompute", "fail"):
+            raise ValueError("kv_load_failure_policy must be 'recompute' or 'fail'")
+        self._asked: set[str] = set()  # D: requests already offered a remote load
+        self._meta = PushMeta()
+        self._deadlines: dict[str, float] = {}  # D: registration watchdog
+        self._held: set[str] = set()  # requests whose blocks wait for the worker's word
+        self._remote_tokens: dict[str, int] = {}  # D: prompt tokens P computes for us
+        self.stats = {"kv_remote_prefill_tokens_total": 0, "kv_recompute_fallback_total": 0,
+                      "kv_registration_expired_total": 0}
+
+    # --- D side -------------------------------------------------------------------
+    def _remote_params(self, request: Any) -> dict[str, Any] | None:
+        """The request's D-leg params, or None; bad params mean a local prefill."""
+        p = request.kv_transfer_params
+        if not p or not p.get("do_remote_prefill"):
+            return None
+        try:
+            validate_kv_transfer_params(p, "push")
+        except ValueError as e:
+            logger.warning("request %s: %s; prefilling locally", request.request_id, e)
+            return None
+        return p
+
+    def on_request_added(self, request: Any) -> None:
+        p = self._remote_params(request)
+        if p is not None:
+            self._meta.queued.append(Queued(request.request_id, p["transfer_id"],
+                                            p["remote_engine_id"], p["remote_host"],
+                                            p["remote_port"]))
+            self._held.add(request.request_id)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        if self._remote_params(request) is None or request.request_id in self._asked:
+            return 0, False
+        self._asked.add(request.request_id)
+        return request.num_prompt_tokens - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        p = request.kv_transfer_params
+        first = (request.num_prompt_tokens - num_external_tokens) // self.block_size
+        last = cdiv(request.num_prompt_tokens, self.block_size)
+        reg = Registration(
+            request_id=request.request_id, transfer_id=p["transfer_id"],
+            local_block_ids=list(block_ids[first:last]), first_block_index=first,
+            num_prompt_tokens=request.num_prompt_tokens,
+            remote_engine_id=p["remote_engine_id"], remote_host=p["remote_host"],
+            remote_port=p["remote_port"], remote_tp_size=p.get("tp_size", 1),
+        )
+        self._meta.registrations.append(reg)
+        self._deadlines[request.request_id] = self.clock() + self.registration_timeout
+        self._held.add(request.request_id)
+        self._remote_tokens[request.request_id] = request.num_prompt_tokens - 1 - first * (
+            self.block_size)
+
+    # --- both sides ---------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: Any) -> PushMeta:
+        now = self.clock()
+        for rid, deadline in list(self._deadlines.items()):
+            if now >= deadline:
+                logger.warning("push registration %s timed out after %.1fs; giving up",
+                               rid, self.registration_timeout)
+                del self._deadlines[rid]
+                self._meta.watchdog_expired.append(rid)
+                self.stats["kv_registration_expired_total"] += 1
+        meta, self._meta = self._meta, PushMeta()
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        params = request.kv_transfer_params or {}
+        self._asked.discard(rid)
+        self._deadlines.pop(rid, None)
+        self._remote_tokens.pop(rid, None)
+        if rid in self._held:  # D: the worker frees once no WRITE can land
+            self._meta.released.append(rid)
+            return True, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        transfer_id = params.get("transfer_id")
+        if request.status.name in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"):
+            n = cdiv(request.num_prompt_tokens, self.block_size)
+            self._meta.finished_blocks.append(
+                FinishedBlocks(rid, transfer_id, list(block_ids[:n]), request.num_prompt_tokens)
+            )
+            self._held.add(rid)
+            return True, {"transfer_id": transfer_id, "staged_blocks": n}
+        self._meta.aborted.append((rid, transfer_id))
+        return False, None
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for rid in output.finished_recving:
+            self._deadlines.pop(rid, None)
+            self.stats["kv_remote_prefill_tokens_total"] += self._remote_tokens.pop(rid, 0)
+        for rid in output.failed_recving:
+            self._deadlines.pop(rid, None)
+            self._remote_tokens.pop(rid, None)
+            if self.load_failure_policy == "recompute":
+                self.stats["kv_recompute_fallback_total"] += 1
+        for rid in output.finished_sending:
+            self._held.discard(rid)
+
+    def has_pending_work(self) -> bool:
+        return bool(self._held or self._meta.brings_work())
+
+    def table_sizes(self) -> dict[str, int]:
+        return {"sched_held": len(self._held), "sched_deadlines": len(self._deadlines),
+                "sched_asked": len(self._asked), "sched_remote_tokens": len(self._remote_tokens)}
+
+    def get_stats(self) -> dict[str, float]:
+        return dict(self.stats)

@@ -1,0 +1,308 @@
+"""P side of the push writer: match D registrations with finished prefill blocks, WRITE.
+
+Owned by the writer thread. Either side of a match may arrive first. Matching tries the
+transfer_id, then the exact request id, then the id without its 8-hex engine suffix.
+Guarantees:
+- blocks staged here are reported free-able (`done`) exactly once: after their WRITE
+  completed or failed, or at lease expiry (HB from D extends the lease);
+- no WRITE is ever posted for a registration older than `ttl` (measured on P), nor for
+  one D cancelled; a cancel is acknowledged only once no WRITE for it can still land;
+- whenever P will not write a registration it knows of, it tells D (PUSH_FAIL).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvconnector import wire
+from kvconnector.push.meta import FinishedBlocks
+from kvconnector.push.peers import Peers
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Staged:
+    blocks: FinishedBlocks
+    lease_deadline: float
+    matched: bool = False
+
+
+@dataclass
+class PendingReg:
+    reg: Any  # wire.PushReg
+    received_at: float
+
+    @property
+    def addr(self) -> tuple[str, int]:
+        return (self.reg.decode_host, self.reg.decode_port)
+
+
+@dataclass
+class Inflight:
+    p_request_id: str
+    reg: PendingReg
+    handle: Any
+    started: float
+    nbytes: int
+    ack_cancel: bool = False
+
+
+@dataclass
+class SenderStats:
+    counters: dict[str, float] = field(default_factory=lambda: {
+        "kv_push_registrations_received_total": 0, "kv_push_writes_total": 0,
+        "kv_push_write_failures_total": 0, "kv_transfer_bytes_total": 0,
+        "kv_transfer_seconds_sum": 0.0, "kv_transfer_seconds_count": 0,
+        "kv_lease_expired_total": 0, "kv_push_fail_sent_total": 0,
+    })
+
+    def add(self, name: str, value: float = 1) -> None:
+        self.counters[name] += value
+
+
+class Sender:
+    def __init__(self, transport: Any, peers: Peers, clock: Callable[[], float], *,
+                 lease: float, ttl: float, tp_size: int, bytes_per_block: int,
+                 stats: SenderStats) -> None:
+        self.t = transport
+        self.peers = peers
+        self.clock = clock
+        self.lease = lease
+        self.ttl = ttl
+        self.tp_size = tp_size
+        self.bytes_per_block = bytes_per_block
+        self.stats = stats
+        self.staged: dict[str, Staged] = {}  # P request id -> blocks under lease
+        self.regs: dict[str, PendingReg] = {}  # D request id -> registration
+        self.ready: list[tuple[str, str]] = []  # (P id, D id) matched, waiting for D's peer
+        self.inflight: dict[str, Inflight] = {}  # P request id -> WRITE
+        self.tombstones: dict[str, float] = {}  # transfer/base id P gave up on -> expiry
+        self.outbox: list[tuple[tuple[str, int], bytes]] = []  # notifs waiting for a peer
+        self.done: set[str] = set()  # P ids whose blocks may be freed
+
+    # --- events -------------------------------------------------------------------
+    def on_finished_blocks(self, fb: FinishedBlocks) -> None:
+        self.staged[fb.request_id] = Staged(fb, self.clock() + self.lease)
+        reg = self._find_reg(fb)
+        if reg is not None:
+            self._match(fb.request_id, reg)
+
+    def on_aborted(self, request_id: str, transfer_id: str | None) -> None:
+        """P's request ended without blocks to send: fail D's registration, now or later."""
+        fb = FinishedBlocks(request_id, transfer_id, [], 0)
+        reg = self._find_reg(fb)
+        if reg is not None:
+            self._fail(self.regs.pop(reg), "prefill request aborted on P")
+        else:
+            self._tombstone(transfer_id, request_id)
+
+    def on_registration(self, reg: Any) -> None:
+        self.stats.add("kv_push_registrations_received_total")
+        pending = PendingReg(reg, self.clock())
+        self.peers.get(pending.addr)  # start the reverse handshake early
+        for key in (reg.transfer_id, wire.base_request_id(reg.request_id)):
+            if key and key in self.tombstones:
+                self._fail(pending, "prefill request already ended on P (aborted or expired)")
+                return
+        self.regs[reg.request_id] = pending
+        pid = self._find_staged(reg)
+        if pid is not None:
+            self._match(pid, reg.request_id)
+
+    def on_heartbeat(self, transfer_ids: list[str]) -> None:
+        wanted = set(transfer_ids)
+        deadline = self.clock() + self.lease
+        for staged in self.staged.values():
+            if staged.blocks.transfer_id in wanted:
+                staged.lease_deadline = max(staged.lease_deadline, deadline)
+
+    def on_cancel(self, d_request_id: str, transfer_id: str) -> None:
+        for w in self.inflight.values():
+            if w.reg.reg.request_id == d_request_id:
+                w.ack_cancel = True  # acknowledged once the WRITE is over
+                return
+        pending = self.regs.pop(d_request_id, None)
+        self.ready = [(p, d) for p, d in self.ready if d != d_request_id]
+        for staged in self.staged.values():
+            if staged.matched and pending and self._same(staged.blocks, pending.reg):
+                staged.matched = False
+        self._tombstone(transfer_id, d_request_id)
+        addr = pending.addr if pending else None
+        if addr is not None:
+            self._send(addr, wire.encode_push_cancel_ack(d_request_id, transfer_id))
+        else:
+            logger.info("cancel for unknown registration %s (transfer %s)", d_request_id,
+                        transfer_id)
+
+    # --- the poll -----------------------------------------------------------------
+    def poll(self) -> None:
+        now = self.clock()
+        self._post_ready(now)
+        self._check_inflight(now)
+        self._expire(now)
+        self._flush_outbox()
+
+    def needs_poll(self) -> bool:
+        """Self-poll while blocks wait unmatched, WRITEs are in flight or notifs queue."""
+        return bool(self.staged or self.inflight or self.outbox)
+
+    # --- internals ----------------------------------------------------------------
+    def _same(self, fb: FinishedBlocks, reg: Any) -> bool:
+        if fb.transfer_id and reg.transfer_id:
+            return fb.transfer_id == reg.transfer_id
+        return (fb.request_id == reg.request_id
+                or wire.base_request_id(fb.request_id) == wire.base_request_id(reg.request_id))
+
+    def _find_reg(self, fb: FinishedBlocks) -> str | None:
+        if fb.transfer_id:
+            for rid, p in self.regs.items():
+                if p.reg.transfer_id == fb.transfer_id:
+                    return rid
+        if fb.request_id in self.regs:
+            return fb.request_id
+        base = wire.base_request_id(fb.request_id)
+        for rid in self.regs:
+            if wire.base_request_id(rid) == base:
+                return rid
+        return None
+
+    def _find_staged(self, reg: Any) -> str | None:
+        free = {pid: s for pid, s in self.staged.items() if not s.matched}
+        if reg.transfer_id:
+            for pid, s in free.items():
+                if s.blocks.transfer_id == reg.transfer_id:
+                    return pid
+        if reg.request_id in free:
+            return reg.request_id
+        base = wire.base_request_id(reg.request_id)
+        for pid in free:
+            if wire.base_request_id(pid) == base:
+                return pid
+        return None
+
+    def _match(self, p_id: str, d_id: str) -> None:
+        self.staged[p_id].matched = True
+        self.ready.append((p_id, d_id))
+
+    def _post_ready(self, now: float) -> None:
+        waiting = []
+        for p_id, d_id in self.ready:
+            pending = self.regs.get(d_id)
+            staged = self.staged.get(p_id)
+            if pending is None or staged is None:
+                continue
+            peer = self.peers.get(pending.addr)
+            if peer.status == "pending":
+                waiting.append((p_id, d_id))
+            elif peer.status == "failed":
+                # D is unreachable, so it cannot be told either: its watchdog decides.
+                del self.regs[d_id]
+                self._release(p_id, failed=True)
+            else:
+                del self.regs[d_id]
+                self._post(p_id, pending, peer.agent_name, now)
+        self.ready = waiting
+
+    def _post(self, p_id: str, pending: PendingReg, agent: str, now: float) -> None:
+        reg, staged = pending.reg, self.staged[p_id]
+        d_ids = [b for group in reg.local_block_ids for b in group]
+        first = reg.first_block_index
+        p_ids = staged.blocks.block_ids[first:first + len(d_ids)]
+        if now - pending.received_at > self.ttl:
+            reason = f"registration older than its ttl ({self.ttl:.0f}s)"
+        elif len(p_ids) != len(d_ids) or not d_ids:
+            reason = (f"block count mismatch: D registered {len(d_ids)} from block {first}, "
+                      f"P holds {len(staged.blocks.block_ids)}")
+        else:
+            notif = wire.encode_completion(reg.request_id, self.tp_size)
+            try:
+                handle = self.t.write(agent, p_ids, d_ids, notif)
+            except Exception as e:  # noqa: BLE001 - a failed post is a PUSH_FAIL, not a crash
+                self.stats.add("kv_push_write_failures_total")
+                reason = f"WRITE submission failed: {e}"
+            else:
+                nbytes = len(d_ids) * self.bytes_per_block
+                self.inflight[p_id] = Inflight(p_id, pending, handle, now, nbytes)
+                return
+        logger.warning("not writing %s -> D %s: %s", p_id, reg.request_id, reason)
+        self._fail(pending, reason)
+        self._release(p_id, failed=True)
+
+    def _check_inflight(self, now: float) -> None:
+        for p_id, w in list(self.inflight.items()):
+            state = self.t.check(w.handle)
+            if state == "PROC":
+                continue
+            del self.inflight[p_id]
+            self.t.release(w.handle)
+            reg = w.reg.reg
+            if state == "DONE":
+                self.stats.add("kv_push_writes_total")
+                self.stats.add("kv_transfer_bytes_total", w.nbytes)
+                self.stats.add("kv_transfer_seconds_sum", now - w.started)
+                self.stats.add("kv_transfer_seconds_count")
+            else:
+                self.stats.add("kv_push_write_failures_total")
+                self._fail(w.reg, "WRITE failed in transfer")
+            if w.ack_cancel:
+                self._send(w.reg.addr, wire.encode_push_cancel_ack(reg.request_id,
+                                                                   reg.transfer_id))
+            self._release(p_id, failed=state != "DONE")
+
+    def _expire(self, now: float) -> None:
+        for p_id, staged in list(self.staged.items()):
+            if now >= staged.lease_deadline and p_id not in self.inflight:
+                self.ready = [(p, d) for p, d in self.ready if p != p_id]
+                self.stats.add("kv_lease_expired_total")
+                logger.warning("lease of %s expired after %.1fs unclaimed", p_id, self.lease)
+                self._tombstone(staged.blocks.transfer_id, p_id)
+                self._release(p_id, failed=True)
+        for rid, pending in list(self.regs.items()):
+            if now - pending.received_at > self.ttl:
+                del self.regs[rid]
+                self._fail(pending, "no prefill for this registration within its ttl")
+        for key, expiry in list(self.tombstones.items()):
+            if now >= expiry:
+                del self.tombstones[key]
+
+    def _release(self, p_id: str, failed: bool) -> None:
+        if self.staged.pop(p_id, None) is not None:
+            self.done.add(p_id)
+
+    def _tombstone(self, transfer_id: str | None, request_id: str) -> None:
+        expiry = self.clock() + self.ttl
+        self.tombstones[transfer_id or wire.base_request_id(request_id)] = expiry
+
+    def _fail(self, pending: PendingReg, reason: str) -> None:
+        self.stats.add("kv_push_fail_sent_total")
+        reg = pending.reg
+        self._send(pending.addr, wire.encode_push_fail(reg.request_id, reg.transfer_id, reason))
+
+    def _send(self, addr: tuple[str, int], msg: bytes) -> None:
+        self.outbox.append((addr, msg))
+        self._flush_outbox()
+
+    def _flush_outbox(self) -> None:
+        keep = []
+        for addr, msg in self.outbox:
+            peer = self.peers.get(addr)
+            if peer.status == "pending":
+                keep.append((addr, msg))
+                continue
+            if peer.status == "ready":
+                try:
+                    self.t.send_notif(peer.agent_name, msg)
+                    continue
+                except Exception as e:  # noqa: BLE001
+                    logger.warning("notif to %s:%d failed: %s", *addr, e)
+            logger.warning("dropping notif to unreachable D %s:%d", *addr)
+        self.outbox = keep
+
+    def table_sizes(self) -> dict[str, int]:
+        return {"p_staged": len(self.staged), "p_regs": len(self.regs),
+                "p_inflight": len(self.inflight), "p_ready": len(self.ready),
+                "p_outbox": len(self.outbox)}

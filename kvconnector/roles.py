@@ -1,0 +1,56 @@
+"""Shared launcher for the prefill and decode roles: `serve` plus a connector config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import uuid
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def add_role_args(parser: argparse.ArgumentParser, role: str) -> None:
+    from engine.server.cli import add_serve_args
+
+    add_serve_args(parser)
+    parser.add_argument("--kv-host", default="127.0.0.1",
+                        help="address the KV side channel binds and advertises")
+    parser.add_argument("--kv-port", type=int, default=0,
+                        help="side-channel port (0: pick a free one at start)")
+    parser.add_argument("--kv-connector", default="NixlPushConnector",
+                        choices=["NixlPushConnector", "NixlConnector"],
+                        help="push (P writes into D) or pull (D reads from P)")
+    parser.add_argument("--engine-id", default=None, help="this engine's id (default: random)")
+    parser.add_argument("--kv-extra-config", default=None,
+                        help="JSON merged into kv_connector_extra_config")
+    parser.set_defaults(_role=role)
+
+
+def role_kv_config(args: argparse.Namespace, role: str) -> str:
+    """The kv-transfer config JSON for this role; explicit --kv-transfer-config wins."""
+    base = json.loads(args.kv_transfer_config) if args.kv_transfer_config else {}
+    extra = dict(base.get("kv_connector_extra_config", {}))
+    if args.kv_extra_config:
+        extra.update(json.loads(args.kv_extra_config))
+    port = base.get("kv_port") or args.kv_port or free_port(args.kv_host)
+    config = {
+        "kv_connector": base.get("kv_connector", args.kv_connector),
+        "kv_role": base.get("kv_role", "kv_producer" if role == "prefill" else "kv_consumer"),
+        "engine_id": base.get("engine_id") or args.engine_id or f"{role}-{uuid.uuid4().hex[:8]}",
+        "kv_host": base.get("kv_host", args.kv_host),
+        "kv_port": port,
+        "kv_connector_extra_config": extra,
+    }
+    return json.dumps(config)
+
+
+def run_role(args: argparse.Namespace, role: str) -> int:
+    from engine.server.cli import serve_main
+
+    args.kv_transfer_config = role_kv_config(args, role)
+    return serve_main(args) or 0

@@ -1,0 +1,15 @@
+"""`pdserve prefill` = `python -m prefill`: the OpenAI server with the prefill role's connector."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvconnector.roles import add_role_args, run_role
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    add_role_args(parser, "prefill")
+
+
+def main(args: argparse.Namespace) -> int:
+    return run_role(args, "prefill")

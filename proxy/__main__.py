@@ -1,0 +1,7 @@
+"""`python -m proxy ...` is `pdserve proxy ...`."""
+
+import sys
+
+from proxy.cli import run
+
+sys.exit(run())

@@ -1,0 +1,279 @@
+"""The proxy's FastAPI app: the two OpenAI POST routes, /v1/models, /health, /metrics.
+
+Invariants: every client request gets either D's answer relayed as it arrives or an OpenAI
+error body (with the request id in the message and in the `X-Request-Id` header); every
+request is counted in `pdserve:proxy_requests_total{route,status}` (499: the client left
+before the response started). Everything runs on the event loop of the uvicorn server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
+
+from proxy.backends import DECODE, PREFILL, BackendPool, HealthMonitor
+from proxy.config import ProxyConfig
+from proxy.errors import ProxyError, error_body
+from proxy.flow import ClientGone, Dispatcher, RequestContext
+from proxy.kv_info import KVInfoCache
+from proxy.legs import CHAT, COMPLETIONS, ROUTE_PATHS, new_id
+from proxy.metrics import CONTENT_TYPE, ProxyMetrics
+from proxy.relay import wait_for_disconnect
+
+logger = logging.getLogger("pdserve.proxy")
+
+# Below uvicorn's 5 s keep-alive timeout: a pooled connection is never reused just as the
+# backend closes it (which would read as a connection failure of a healthy backend).
+_KEEPALIVE_EXPIRY = 4.0
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+class ProxyState:
+    """Pools, metrics and HTTP clients of one proxy. Clients exist between start() and stop()."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.metrics = ProxyMetrics()
+        self.prefill = BackendPool(PREFILL, config.prefill_urls, self.metrics)
+        self.decode = BackendPool(DECODE, config.decode_urls, self.metrics)
+        self.backend_auth = (
+            {"authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        )
+        self.client: httpx.AsyncClient | None = None
+        self.control: httpx.AsyncClient | None = None
+        self.dispatcher: Dispatcher | None = None
+        self.health: HealthMonitor | None = None
+
+    async def start(self) -> None:
+        c = self.config
+        # legs get their own pool, so long streams can never starve health checks
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(c.request_timeout, connect=c.connect_timeout),
+            limits=httpx.Limits(max_connections=c.max_connections,
+                                max_keepalive_connections=min(c.max_connections, 256),
+                                keepalive_expiry=_KEEPALIVE_EXPIRY),
+            headers={"accept-encoding": "identity"},
+            trust_env=False,
+        )
+        self.control = httpx.AsyncClient(
+            timeout=httpx.Timeout(c.health_timeout),
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=32,
+                                keepalive_expiry=_KEEPALIVE_EXPIRY),
+            trust_env=False,
+        )
+        kv_info = KVInfoCache(self.control, timeout=c.health_timeout, headers=self.backend_auth)
+        self.prefill.on_transition(lambda backend: kv_info.invalidate(backend.url))
+        self.dispatcher = Dispatcher(c, self.client, self.prefill, self.decode, kv_info,
+                                     self.metrics)
+        self.health = HealthMonitor([self.prefill, self.decode], self.control,
+                                    interval=c.health_interval, timeout=c.health_timeout,
+                                    headers=self.backend_auth)
+        await self.health.check_once()
+        self.health.start()
+        logger.info("proxy (%s mode) prefill=%s decode=%s", c.mode,
+                    list(c.prefill_urls), list(c.decode_urls))
+
+    async def stop(self) -> None:
+        if self.health is not None:
+            await self.health.stop()
+        if self.dispatcher is not None:
+            await self.dispatcher.shutdown()
+        for client in (self.client, self.control):
+            if client is not None:
+                await client.aclose()
+
+    # ---- request handling ---------------------------------------------------------------
+
+    def authorize(self, request: Request, request_id: str) -> None:
+        if not self.config.api_key:
+            return
+        given = request.headers.get("authorization", "")
+        expected = f"Bearer {self.config.api_key}"
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            raise ProxyError(401, f"request {request_id}: missing or invalid API key "
+                             "(send 'Authorization: Bearer <key>')", code="invalid_api_key")
+
+    def leg_headers(self, request: Request, request_id: str) -> dict[str, str]:
+        headers = {"content-type": "application/json", "x-request-id": request_id}
+        if self.config.api_key:
+            headers.update(self.backend_auth)
+        elif "authorization" in request.headers:
+            headers["authorization"] = request.headers["authorization"]
+        return headers
+
+    async def generate(self, request: Request, route: str) -> Response:
+        started = time.monotonic()
+        request_id = _request_id(request)
+        try:
+            self.authorize(request, request_id)
+            body = await _read_json_body(request, self.config.max_body_bytes, request_id)
+            assert self.dispatcher is not None, "proxy not started"
+            ctx = RequestContext(
+                route=route,
+                path=ROUTE_PATHS[route],
+                body=body,
+                headers=self.leg_headers(request, request_id),
+                request_id=request_id,
+                started=started,
+                deadline=started + self.config.request_timeout,
+                disconnect=asyncio.ensure_future(wait_for_disconnect(request.receive)),
+            )
+            try:
+                response = await self.dispatcher.dispatch(ctx)
+            finally:
+                ctx.disconnect.cancel()
+        except ProxyError as err:
+            if err.status >= 500:
+                logger.warning("%s", err.message)
+            response = err.response(headers={"x-request-id": request_id})
+        except ClientGone:
+            response = Response(status_code=499)
+        self.metrics.requests.labels(route=ROUTE_PATHS[route],
+                                     status=str(response.status_code)).inc()
+        return response
+
+    async def models(self, request: Request) -> Response:
+        request_id = _request_id(request)
+        route = "/v1/models"
+        try:
+            self.authorize(request, request_id)
+            response = await self._models_from_decode(request, request_id)
+        except ProxyError as err:
+            response = err.response(headers={"x-request-id": request_id})
+        self.metrics.requests.labels(route=route, status=str(response.status_code)).inc()
+        return response
+
+    async def _models_from_decode(self, request: Request, request_id: str) -> Response:
+        assert self.control is not None, "proxy not started"
+        headers = self.leg_headers(request, request_id)
+        errors = []
+        for backend in sorted(self.decode.healthy(), key=lambda b: b.outstanding):
+            try:
+                resp = await self.control.get(backend.url + "/v1/models", headers=headers)
+            except httpx.HTTPError as exc:
+                self.decode.record_failure(backend, "connection", fatal=True)
+                errors.append(f"{backend.url}: {type(exc).__name__}: {exc}")
+                continue
+            if resp.status_code >= 500:
+                errors.append(f"{backend.url}: answered {resp.status_code}")
+                continue
+            return Response(resp.content, status_code=resp.status_code,
+                            media_type=resp.headers.get("content-type", "application/json"),
+                            headers={"x-request-id": request_id})
+        detail = "; ".join(errors) or "none in rotation"
+        raise ProxyError(503, f"request {request_id}: no healthy decode backend ({detail})",
+                         code="no_healthy_decode")
+
+    def health_report(self) -> JSONResponse:
+        def describe(pool: BackendPool) -> list[dict[str, Any]]:
+            return [{"url": b.url, "healthy": b.healthy, "outstanding": b.outstanding,
+                     "last_error": b.last_error} for b in pool.backends]
+
+        report: dict[str, Any] = {
+            "mode": self.config.mode,
+            "prefill": describe(self.prefill),
+            "decode": describe(self.decode),
+        }
+        missing = [p.role for p in (self.prefill, self.decode) if not p.healthy()]
+        if not missing:
+            return JSONResponse({"status": "ok", **report})
+        body = error_body(f"no healthy {' or '.join(missing)} backend", 503,
+                          code="no_healthy_backend")
+        return JSONResponse({"status": "unavailable", **body, **report}, status_code=503)
+
+
+def _request_id(request: Request) -> str:
+    given = request.headers.get("x-request-id", "")
+    return given if _REQUEST_ID.match(given) else new_id()
+
+
+async def _read_json_body(request: Request, limit: int, request_id: str) -> dict[str, Any]:
+    too_large = ProxyError(413, f"request {request_id}: body larger than {limit} bytes",
+                           code="request_too_large")
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise ProxyError(400, f"request {request_id}: bad Content-Length {length!r}")
+        if int(length) > limit:
+            raise too_large
+    buf = bytearray()
+    try:
+        async for chunk in request.stream():
+            buf += chunk
+            if len(buf) > limit:
+                raise too_large
+    except ClientDisconnect:
+        raise ClientGone(request_id) from None
+    if not buf.strip():
+        raise ProxyError(400, f"request {request_id}: the request needs a JSON body")
+    try:
+        body = json.loads(buf)
+    except ValueError as exc:
+        raise ProxyError(400, f"request {request_id}: malformed JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise ProxyError(400, f"request {request_id}: the request body must be a JSON object")
+    return body
+
+
+def build_app(config: ProxyConfig) -> FastAPI:
+    state = ProxyState(config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app = FastAPI(title="pdserve proxy", lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.proxy = state
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await state.generate(request, COMPLETIONS)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await state.generate(request, CHAT)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await state.models(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return state.health_report()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else "error"
+        return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(f"internal proxy error: {type(exc).__name__}", 500),
+                            status_code=500)
+
+    return app

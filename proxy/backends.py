@@ -1,0 +1,192 @@
+"""Backend pools: health state, outstanding-leg counts, least-outstanding choice, health polling.
+
+Threading: everything here runs on the proxy's event loop; no locks. A backend is in rotation
+iff `healthy`. It leaves rotation when a health check fails or a leg hits a connection error,
+and returns only through a passing health check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import httpx
+
+from proxy.metrics import ProxyMetrics
+
+logger = logging.getLogger("pdserve.proxy")
+
+PREFILL = "prefill"
+DECODE = "decode"
+
+# Legs failing this many times in a row (without a connection error) take a backend out too.
+MAX_CONSECUTIVE_FAILURES = 3
+
+
+@dataclass(eq=False)
+class Backend:
+    url: str
+    role: str
+    healthy: bool = False
+    outstanding: int = 0
+    consecutive_failures: int = 0
+    last_error: str = "not checked yet"
+
+
+class Lease:
+    """One leg's claim on a backend; `release()` is idempotent so every exit path may call it."""
+
+    __slots__ = ("backend", "pool", "_released")
+
+    def __init__(self, pool: BackendPool, backend: Backend) -> None:
+        self.backend = backend
+        self.pool = pool
+        self._released = False
+
+    @property
+    def url(self) -> str:
+        return self.backend.url
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.pool._release(self.backend)
+
+
+class BackendPool:
+    """All backends of one role."""
+
+    def __init__(self, role: str, urls: Iterable[str], metrics: ProxyMetrics) -> None:
+        self.role = role
+        self.backends = [Backend(url, role) for url in urls]
+        self._metrics = metrics
+        self._cursor = 0
+        self._on_transition: list[Callable[[Backend], None]] = []
+        for b in self.backends:
+            metrics.backend_healthy.labels(url=b.url, role=role).set(0)
+            metrics.outstanding.labels(url=b.url).set(0)
+
+    def on_transition(self, callback: Callable[[Backend], None]) -> None:
+        """Call `callback(backend)` whenever a backend enters or leaves rotation."""
+        self._on_transition.append(callback)
+
+    def healthy(self) -> list[Backend]:
+        return [b for b in self.backends if b.healthy]
+
+    def choose(self, exclude: Iterable[Backend] = ()) -> Lease | None:
+        """Lease the healthy backend with the fewest outstanding legs (None if there is none).
+
+        Ties go round-robin, so idle backends share the load evenly.
+        """
+        skip = set(map(id, exclude))
+        n = len(self.backends)
+        best: Backend | None = None
+        for i in range(n):
+            b = self.backends[(self._cursor + i) % n]
+            if not b.healthy or id(b) in skip:
+                continue
+            if best is None or b.outstanding < best.outstanding:
+                best = b
+        if best is None:
+            return None
+        self._cursor = (self.backends.index(best) + 1) % n
+        best.outstanding += 1
+        self._metrics.outstanding.labels(url=best.url).set(best.outstanding)
+        return Lease(self, best)
+
+    def _release(self, backend: Backend) -> None:
+        backend.outstanding -= 1
+        assert backend.outstanding >= 0, f"outstanding count of {backend.url} went negative"
+        self._metrics.outstanding.labels(url=backend.url).set(backend.outstanding)
+
+    def set_health(self, backend: Backend, healthy: bool, reason: str = "") -> None:
+        if healthy:
+            backend.consecutive_failures = 0
+            backend.last_error = ""
+        else:
+            backend.last_error = reason
+        if backend.healthy == healthy:
+            return
+        backend.healthy = healthy
+        self._metrics.backend_healthy.labels(url=backend.url, role=self.role).set(int(healthy))
+        if healthy:
+            logger.info("%s backend %s back in rotation", self.role, backend.url)
+        else:
+            logger.warning("%s backend %s out of rotation: %s", self.role, backend.url, reason)
+        for callback in self._on_transition:
+            callback(backend)
+
+    def record_failure(self, backend: Backend, reason: str, *, fatal: bool) -> None:
+        """Count a failed leg. `fatal` (a connection error) takes the backend out at once."""
+        self._metrics.backend_failures.labels(url=backend.url, role=self.role, reason=reason).inc()
+        backend.consecutive_failures += 1
+        if fatal or backend.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+            self.set_health(backend, False, reason)
+
+    def health_result(self, backend: Backend, ok: bool, reason: str = "") -> None:
+        """Apply one health-check outcome; a failing check on a backend in rotation is counted."""
+        if not ok and backend.healthy:
+            self._metrics.backend_failures.labels(
+                url=backend.url, role=self.role, reason="health_check").inc()
+        self.set_health(backend, ok, reason)
+
+    def record_success(self, backend: Backend) -> None:
+        backend.consecutive_failures = 0
+
+
+class HealthMonitor:
+    """Polls `GET /health` of every backend every `interval` seconds; 200 means in rotation."""
+
+    def __init__(
+        self,
+        pools: Iterable[BackendPool],
+        client: httpx.AsyncClient,
+        *,
+        interval: float,
+        timeout: float,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self._pools = list(pools)
+        self._client = client
+        self._interval = interval
+        self._timeout = timeout
+        self._headers = headers or {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def check_once(self) -> None:
+        checks = [self._check(pool, b) for pool in self._pools for b in pool.backends]
+        await asyncio.gather(*checks)
+
+    async def _check(self, pool: BackendPool, backend: Backend) -> None:
+        try:
+            resp = await self._client.get(
+                backend.url + "/health", headers=self._headers, timeout=self._timeout
+            )
+        except httpx.HTTPError as exc:
+            pool.health_result(backend, False, f"health check failed: {type(exc).__name__}: {exc}")
+            return
+        ok = resp.status_code == 200
+        pool.health_result(backend, ok, "" if ok else f"health check answered {resp.status_code}")
+
+    def start(self) -> None:
+        assert self._task is None, "health monitor started twice"
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="proxy-health")
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                await self.check_once()
+            except Exception:  # never let one bad round stop the polling
+                logger.exception("health check round failed")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None

@@ -1,0 +1,75 @@
+"""`pdserve proxy` (= `python -m proxy`): the P/D proxy. Speaks HTTP only."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from proxy.config import MODES, P_FAILURE_POLICIES, ProxyConfig
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", action="append", required=True, metavar="URL",
+                        help="a prefill (P) server, e.g. http://10.0.0.1:8100 (repeatable)")
+    parser.add_argument("--decode", action="append", required=True, metavar="URL",
+                        help="a decode (D) server (repeatable)")
+    parser.add_argument("--mode", choices=MODES, default="push",
+                        help="push: both legs at once, P writes KV into D; "
+                        "pull: P first, then D reads KV (default: push)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' and send it to the backends")
+    parser.add_argument("--p-failure-policy", choices=P_FAILURE_POLICIES, default="recompute",
+                        help="on a failed P leg: let D recompute the prompt, or cancel the "
+                        "request with an error (default: recompute)")
+    parser.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                        help="bound on one request, end to end (default: 600)")
+    parser.add_argument("--health-interval", type=float, default=2.0, metavar="S",
+                        help="period of the backend health poll (default: 2)")
+    parser.add_argument("--health-timeout", type=float, default=2.0, metavar="S",
+                        help="timeout of one health check or /kv_transfer/info (default: 2)")
+    parser.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024,
+                        help="largest accepted request body (default: 8 MiB)")
+    parser.add_argument("--log-level", default="info",
+                        choices=("debug", "info", "warning", "error"))
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    return ProxyConfig(
+        prefill_urls=tuple(args.prefill),
+        decode_urls=tuple(args.decode),
+        mode=args.mode,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        p_failure_policy=args.p_failure_policy,
+        request_timeout=args.request_timeout,
+        health_interval=args.health_interval,
+        health_timeout=args.health_timeout,
+        max_body_bytes=args.max_request_bytes,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"pdserve proxy: error: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from proxy.app import build_app
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(build_app(config), host=config.host, port=config.port,
+                log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
+    return 0
+
+
+def run(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve proxy", description=__doc__)
+    add_args(parser)
+    return main(parser.parse_args(argv))

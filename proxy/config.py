@@ -1,0 +1,73 @@
+"""Frozen proxy configuration. Validated once in __post_init__; never mutated after start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+MODES = ("push", "pull")
+P_FAILURE_POLICIES = ("recompute", "cancel")
+
+
+def normalize_url(url: str) -> str:
+    """`http(s)://host:port[/prefix]` without a trailing slash; anything else is a ValueError."""
+    text = str(url).strip().rstrip("/")
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"backend URL must look like http://host:port, got {url!r}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"backend URL must not carry a query or fragment, got {url!r}")
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a malformed port
+    except ValueError as exc:
+        raise ValueError(f"backend URL has a bad port: {url!r}") from exc
+    return text
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Everything `pdserve proxy` needs. Names match the CLI flags (snake_case).
+
+    `request_timeout` bounds one client request end to end (both legs and the relay);
+    `health_interval` is the period of the background health poll of every backend.
+    """
+
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    mode: str = "push"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    p_failure_policy: str = "recompute"
+    request_timeout: float = 600.0
+    health_interval: float = 2.0
+    health_timeout: float = 2.0
+    connect_timeout: float = 5.0
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_connections: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_urls", "decode_urls"):
+            urls = tuple(normalize_url(u) for u in getattr(self, name))
+            if not urls:
+                raise ValueError(f"{name} needs at least one backend URL")
+            if len(set(urls)) != len(urls):
+                raise ValueError(f"{name} lists a backend URL twice: {list(urls)}")
+            object.__setattr__(self, name, urls)
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.p_failure_policy not in P_FAILURE_POLICIES:
+            raise ValueError(
+                f"p_failure_policy must be one of {P_FAILURE_POLICIES}, "
+                f"got {self.p_failure_policy!r}"
+            )
+        if not 0 <= int(self.port) <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        for name in ("request_timeout", "health_interval", "health_timeout", "connect_timeout"):
+            if not float(getattr(self, name)) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("max_body_bytes", "max_connections"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.api_key is not None and not self.api_key:
+            object.__setattr__(self, "api_key", None)

@@ -1,0 +1,302 @@
+"""Leg dispatch: one client request becomes a P leg and a D leg (push: at once; pull: in turn).
+
+Invariants
+  - Both legs carry the same X-Request-Id; in push mode also the same transfer_id.
+  - Every request ends within `request_timeout`: with D's answer, or an OpenAI error body.
+  - No leg outlives its request's interest in it: a client disconnect, a D failure or a P
+    verdict that cancels the request aborts the other leg's HTTP request. A successful D
+    answer lets P's leg finish in the background (bounded by the same deadline).
+  - Every backend lease is released on every path (the relay owns D's once it starts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from starlette.responses import Response
+
+from proxy.backends import BackendPool, Lease
+from proxy.config import ProxyConfig
+from proxy.errors import ProxyError
+from proxy.kv_info import KVInfoCache, KVInfoError, PrefillCoordinates
+from proxy.legs import (
+    DecodeStream,
+    PrefillResult,
+    cancel_and_wait,
+    decode_leg_body,
+    new_id,
+    open_decode_leg,
+    prefill_leg_body,
+    pull_decode_params,
+    pull_prefill_params,
+    push_decode_params,
+    push_prefill_params,
+    run_prefill_leg,
+)
+from proxy.metrics import ProxyMetrics
+from proxy.relay import COMPLETED, RelayResponse
+
+logger = logging.getLogger("pdserve.proxy")
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response started."""
+
+
+@dataclass
+class RequestContext:
+    route: str  # legs.COMPLETIONS or legs.CHAT
+    path: str  # the backend path for the legs
+    body: dict[str, Any]
+    headers: dict[str, str]  # for both legs: X-Request-Id, Authorization, Content-Type
+    request_id: str
+    started: float  # time.monotonic() at arrival
+    deadline: float
+    disconnect: asyncio.Future[None]  # done when the client has gone
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        client: httpx.AsyncClient,
+        prefill: BackendPool,
+        decode: BackendPool,
+        kv_info: KVInfoCache,
+        metrics: ProxyMetrics,
+    ) -> None:
+        self.config = config
+        self.client = client
+        self.prefill = prefill
+        self.decode = decode
+        self.kv_info = kv_info
+        self.metrics = metrics
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # ---- entry ------------------------------------------------------------------------------
+
+    async def dispatch(self, ctx: RequestContext) -> Response:
+        """The client's response (a relay, or an error). Raises ProxyError or ClientGone."""
+        if self.config.mode == "push":
+            return await self._push(ctx)
+        return await self._pull(ctx)
+
+    async def shutdown(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---- push: both legs at once --------------------------------------------------------
+
+    async def _push(self, ctx: RequestContext) -> Response:
+        p_lease, coords = await self._choose_prefill_with_info(ctx)
+        d_lease = self.decode.choose()
+        if d_lease is None:
+            p_lease.release()
+            raise self._no_healthy(ctx, self.decode)
+        transfer_id = new_id()
+        logger.debug("request %s: push transfer %s P=%s D=%s",
+                     ctx.request_id, transfer_id, p_lease.url, d_lease.url)
+        p_body = prefill_leg_body(ctx.body, ctx.route, push_prefill_params(transfer_id))
+        d_body = decode_leg_body(ctx.body, push_decode_params(coords, transfer_id))
+        prefill = self._spawn(self._prefill_leg(ctx, p_lease, p_body), "proxy-p-leg")
+        opening = self._spawn(self._open_decode(ctx, d_lease, d_body), "proxy-d-open")
+        stream = await self._await_decode(ctx, opening, prefill, d_lease.url)
+        return self._relay(ctx, stream, prefill)
+
+    async def _choose_prefill_with_info(
+        self, ctx: RequestContext
+    ) -> tuple[Lease, PrefillCoordinates]:
+        tried: list[Any] = []
+        errors: list[str] = []
+        while True:
+            lease = self.prefill.choose(exclude=tried)
+            if lease is None:
+                raise self._no_healthy(ctx, self.prefill, errors)
+            try:
+                return lease, await self.kv_info.get(lease.url)
+            except KVInfoError as exc:
+                lease.release()
+                self.prefill.record_failure(lease.backend, "kv_info", fatal=True)
+                tried.append(lease.backend)
+                errors.append(str(exc))
+                logger.warning("request %s: %s", ctx.request_id, exc)
+
+    # ---- pull: P first, then D with P's kv_transfer_params -----------------------------
+
+    async def _pull(self, ctx: RequestContext) -> Response:
+        p_lease = self.prefill.choose()
+        if p_lease is None:
+            raise self._no_healthy(ctx, self.prefill)
+        p_body = prefill_leg_body(ctx.body, ctx.route, pull_prefill_params())
+        prefill = self._spawn(self._prefill_leg(ctx, p_lease, p_body), "proxy-p-leg")
+        await self._wait(ctx, {prefill}, on_give_up=[prefill],
+                         what=f"prefill backend {p_lease.url}")
+        result = prefill.result()
+        kv_params = None
+        if result.ok:
+            kv_params = pull_decode_params(result.json())
+            if kv_params is None:
+                result = PrefillResult(result.url, result.status, result.body,
+                                       "answered without kv_transfer_params")
+        error = self._judge(ctx, result)
+        if error is not None:
+            raise error
+        d_lease = self.decode.choose()
+        if d_lease is None:
+            raise self._no_healthy(ctx, self.decode)
+        d_body = decode_leg_body(ctx.body, kv_params)
+        opening = self._spawn(self._open_decode(ctx, d_lease, d_body), "proxy-d-open")
+        stream = await self._await_decode(ctx, opening, None, d_lease.url)
+        return self._relay(ctx, stream, None)
+
+    # ---- shared steps -------------------------------------------------------------------
+
+    def _leg_timeout(self, ctx: RequestContext) -> httpx.Timeout:
+        remaining = max(0.001, ctx.remaining())
+        return httpx.Timeout(remaining, connect=min(self.config.connect_timeout, remaining))
+
+    async def _prefill_leg(
+        self, ctx: RequestContext, lease: Lease, body: dict[str, Any]
+    ) -> PrefillResult:
+        result = await run_prefill_leg(self.client, self.prefill, lease, ctx.path, body,
+                                       ctx.headers, self._leg_timeout(ctx))
+        if not result.ok and not result.client_error:
+            self.kv_info.invalidate(result.url)
+            logger.warning("request %s: prefill backend %s %s",
+                           ctx.request_id, result.url, result.error)
+        return result
+
+    async def _open_decode(
+        self, ctx: RequestContext, lease: Lease, body: dict[str, Any]
+    ) -> DecodeStream:
+        return await open_decode_leg(self.client, self.decode, lease, ctx.path, body,
+                                     ctx.headers, self._leg_timeout(ctx), ctx.request_id)
+
+    def _judge(self, ctx: RequestContext, result: PrefillResult) -> ProxyError | None:
+        """What a finished P leg means for the request: None to go on, else the error to send."""
+        if result.ok:
+            return None
+        if result.client_error:
+            self.metrics.prefill_failures.labels(action="client_error").inc()
+            return result.to_client_error(ctx.request_id)
+        if self.config.p_failure_policy == "cancel":
+            self.metrics.prefill_failures.labels(action="cancel").inc()
+            return ProxyError(
+                502, f"request {ctx.request_id}: prefill backend {result.url} {result.error}; "
+                "request cancelled (--p-failure-policy cancel)", code="prefill_failed")
+        self.metrics.prefill_failures.labels(action="recompute").inc()
+        logger.warning("request %s: prefill backend %s %s; decode goes on and recomputes "
+                       "the prompt (--p-failure-policy recompute)",
+                       ctx.request_id, result.url, result.error)
+        return None
+
+    async def _await_decode(
+        self,
+        ctx: RequestContext,
+        opening: asyncio.Task[DecodeStream],
+        prefill: asyncio.Task[PrefillResult] | None,
+        decode_url: str,
+    ) -> DecodeStream:
+        """Wait for D's first chunk while judging P's outcome if it comes first."""
+        give_up = [opening] + ([prefill] if prefill is not None else [])
+        watching = prefill is not None
+        try:
+            while not opening.done():
+                waiting: set[asyncio.Future[Any]] = {opening}
+                if watching:
+                    waiting.add(prefill)
+                await self._wait(ctx, waiting, on_give_up=give_up,
+                                 what=f"decode backend {decode_url}")
+                if watching and prefill.done():
+                    watching = False
+                    error = self._judge(ctx, prefill.result())
+                    if error is not None:
+                        raise error
+            return opening.result()
+        except BaseException:
+            await _discard_decode(opening)
+            if prefill is not None and not prefill.done():
+                prefill.cancel()
+            raise
+
+    async def _wait(
+        self,
+        ctx: RequestContext,
+        tasks: set[asyncio.Future[Any]],
+        *,
+        on_give_up: list[asyncio.Task[Any]],
+        what: str,
+    ) -> None:
+        """Wait until one of `tasks` is done. On client disconnect or deadline, cancel
+        `on_give_up` and raise ClientGone / a 504 ProxyError."""
+        done, _ = await asyncio.wait(tasks | {ctx.disconnect}, timeout=max(0.0, ctx.remaining()),
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if ctx.disconnect.done():
+            for task in on_give_up:
+                task.cancel()
+            logger.info("request %s: client disconnected; legs cancelled", ctx.request_id)
+            raise ClientGone(ctx.request_id)
+        if not done:
+            for task in on_give_up:
+                task.cancel()
+            raise ProxyError(504, f"request {ctx.request_id}: no answer within the request "
+                             f"timeout ({self.config.request_timeout:g} s) from {what}",
+                             code="timeout")
+
+    def _relay(
+        self, ctx: RequestContext, stream: DecodeStream, prefill: asyncio.Task[PrefillResult] | None
+    ) -> RelayResponse:
+        def on_first_byte() -> None:
+            self.metrics.ttft.observe(time.monotonic() - ctx.started)
+
+        def on_close(reason: str) -> None:
+            self.metrics.e2e.observe(time.monotonic() - ctx.started)
+            if reason != COMPLETED:
+                self.metrics.stream_aborts.labels(reason=reason).inc()
+                if prefill is not None and not prefill.done():
+                    prefill.cancel()
+
+        return RelayResponse(
+            stream,
+            request_id=ctx.request_id,
+            deadline=ctx.deadline,
+            prefill=prefill if prefill is not None and not prefill.done() else None,
+            judge=lambda result: self._judge(ctx, result),
+            on_first_byte=on_first_byte,
+            on_close=on_close,
+        )
+
+    def _no_healthy(
+        self, ctx: RequestContext, pool: BackendPool, errors: list[str] | None = None
+    ) -> ProxyError:
+        detail = "; ".join(errors or [b.url + ": " + b.last_error for b in pool.backends])
+        return ProxyError(503, f"request {ctx.request_id}: no healthy {pool.role} backend "
+                          f"({detail})", code=f"no_healthy_{pool.role}")
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+
+async def _discard_decode(opening: asyncio.Task[DecodeStream]) -> None:
+    """Cancel the D leg whether it is still opening or already open."""
+    if not opening.done():
+        await cancel_and_wait(opening)
+    if opening.cancelled() or opening.exception() is not None:
+        return
+    stream = opening.result()
+    await stream.response.aclose()
+    stream.lease.release()

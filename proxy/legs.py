@@ -1,0 +1,257 @@
+"""The two legs of a disaggregated request: their bodies, and sending them.
+
+Body builders are pure (dict in, new dict out; the client's body is never mutated).
+`run_prefill_leg` never raises (except on cancellation): its outcome is a `PrefillResult`.
+`open_decode_leg` returns D's response with its first chunk, or raises `ProxyError`.
+Both release their backend lease on every path (the decode lease passes to the relay).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from proxy.backends import BackendPool, Lease
+from proxy.errors import ProxyError, backend_error_body
+from proxy.kv_info import PrefillCoordinates
+
+CHAT = "chat"
+COMPLETIONS = "completions"
+ROUTE_PATHS = {COMPLETIONS: "/v1/completions", CHAT: "/v1/chat/completions"}
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+# ---- bodies -------------------------------------------------------------------------------
+
+
+def push_prefill_params(transfer_id: str) -> dict[str, Any]:
+    return {"do_remote_decode": True, "transfer_id": transfer_id}
+
+
+def push_decode_params(p: PrefillCoordinates, transfer_id: str) -> dict[str, Any]:
+    return {
+        "do_remote_prefill": True,
+        "remote_engine_id": p.engine_id,
+        "remote_host": p.kv_host,
+        "remote_port": p.kv_port,
+        "tp_size": p.tp_size,
+        "transfer_id": transfer_id,
+    }
+
+
+def pull_prefill_params() -> dict[str, Any]:
+    return {"do_remote_decode": True}
+
+
+def pull_decode_params(p_response: Any) -> dict[str, Any] | None:
+    """P's `kv_transfer_params` (verbatim) plus do_remote_prefill; None if P sent none."""
+    if not isinstance(p_response, dict):
+        return None
+    params = p_response.get("kv_transfer_params")
+    if not isinstance(params, dict) or not params:
+        return None
+    return {**params, "do_remote_prefill": True}
+
+
+def prefill_leg_body(body: dict[str, Any], route: str, kv_params: dict[str, Any]) -> dict[str, Any]:
+    """The client's request cut down to a prefill: one token, one choice, no stream."""
+    leg = dict(body)
+    leg["max_tokens"] = 1
+    if route == CHAT:
+        leg["max_completion_tokens"] = 1
+    leg["stream"] = False
+    leg.pop("stream_options", None)
+    leg.pop("min_tokens", None)  # could exceed max_tokens=1
+    if "n" in leg:
+        leg["n"] = 1
+    if "best_of" in leg:
+        leg["best_of"] = 1
+    leg["kv_transfer_params"] = kv_params
+    return leg
+
+
+def decode_leg_body(body: dict[str, Any], kv_params: dict[str, Any] | None) -> dict[str, Any]:
+    """The client's request as sent; without kv_params D computes the prompt itself."""
+    leg = dict(body)
+    if kv_params is None:
+        leg.pop("kv_transfer_params", None)
+    else:
+        leg["kv_transfer_params"] = kv_params
+    return leg
+
+
+def encode(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+# ---- prefill leg --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """Outcome of a P leg. `status` is None when no HTTP response came back."""
+
+    url: str
+    status: int | None
+    body: bytes
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and not self.error
+
+    @property
+    def client_error(self) -> bool:
+        """P judged the request itself bad (4xx): the client must see it."""
+        return self.status is not None and 400 <= self.status < 500
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body)
+        except ValueError:
+            return None
+
+    def to_client_error(self, request_id: str) -> ProxyError:
+        """For a 4xx: P's own error body when it has the OpenAI shape."""
+        passthrough, detail = backend_error_body(self.body)
+        return ProxyError(
+            self.status or 400, f"request {request_id}: {detail}", body=passthrough,
+            code="invalid_request" if passthrough is None else None,
+        )
+
+
+async def run_prefill_leg(
+    client: httpx.AsyncClient,
+    pool: BackendPool,
+    lease: Lease,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    timeout: httpx.Timeout,
+) -> PrefillResult:
+    url = lease.url
+    try:
+        resp = await client.post(url + path, content=encode(body), headers=headers,
+                                 timeout=timeout)
+    except httpx.TimeoutException as exc:
+        pool.record_failure(lease.backend, "timeout", fatal=False)
+        return PrefillResult(url, None, b"", f"timed out ({type(exc).__name__})")
+    except httpx.HTTPError as exc:
+        pool.record_failure(lease.backend, "connection", fatal=True)
+        return PrefillResult(url, None, b"", f"{type(exc).__name__}: {exc}")
+    finally:
+        lease.release()
+    if resp.status_code == 200:
+        pool.record_success(lease.backend)
+        return PrefillResult(url, 200, resp.content)
+    _, detail = backend_error_body(resp.content)
+    if resp.status_code >= 500:
+        pool.record_failure(lease.backend, f"http_{resp.status_code}", fatal=False)
+    return PrefillResult(url, resp.status_code, resp.content,
+                         f"answered {resp.status_code}: {detail}")
+
+
+# ---- decode leg ---------------------------------------------------------------------------
+
+
+@dataclass
+class DecodeStream:
+    """D's response, open, with its first body chunk already read (None: empty body)."""
+
+    lease: Lease
+    response: httpx.Response
+    chunks: AsyncIterator[bytes]
+    first_chunk: bytes | None
+
+    @property
+    def is_sse(self) -> bool:
+        return self.response.headers.get("content-type", "").startswith("text/event-stream")
+
+
+async def cancel_and_wait(*tasks: asyncio.Future[Any]) -> None:
+    """Cancel `tasks` and wait until they have ended, retrieving their outcome. Cancelling the
+    caller still works (nothing here swallows the caller's CancelledError)."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.wait(tasks)
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()
+
+
+async def next_chunk(chunks: AsyncIterator[bytes]) -> bytes | None:
+    """The next body chunk, or None at the end (a Task cannot carry StopAsyncIteration well)."""
+    try:
+        return await chunks.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def open_decode_leg(
+    client: httpx.AsyncClient,
+    pool: BackendPool,
+    lease: Lease,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    timeout: httpx.Timeout,
+    request_id: str,
+) -> DecodeStream:
+    """Send the D leg and wait for its first chunk. On any failure the lease is released, the
+    backend is counted as failing, and a ProxyError naming D is raised. On success the caller
+    owns `lease` and `response` (close both)."""
+    url = lease.url
+    resp: httpx.Response | None = None
+    try:
+        request = client.build_request("POST", url + path, content=encode(body),
+                                       headers=headers, timeout=timeout)
+        try:
+            resp = await client.send(request, stream=True)
+        except httpx.TimeoutException as exc:
+            pool.record_failure(lease.backend, "timeout", fatal=False)
+            raise ProxyError(504, f"request {request_id}: decode backend {url} timed out "
+                             f"({type(exc).__name__})", code="decode_timeout") from exc
+        except httpx.HTTPError as exc:
+            pool.record_failure(lease.backend, "connection", fatal=True)
+            raise ProxyError(502, f"request {request_id}: decode backend {url} failed: "
+                             f"{type(exc).__name__}: {exc}", code="decode_failed") from exc
+        if resp.status_code != 200:
+            raw = await resp.aread()
+            raise _decode_status_error(pool, lease, resp.status_code, raw, request_id)
+        chunks = resp.aiter_bytes()
+        try:
+            first = await next_chunk(chunks)
+        except httpx.HTTPError as exc:
+            pool.record_failure(lease.backend, "connection", fatal=True)
+            raise ProxyError(502, f"request {request_id}: decode backend {url} broke off: "
+                             f"{type(exc).__name__}: {exc}", code="decode_failed") from exc
+        pool.record_success(lease.backend)
+        return DecodeStream(lease, resp, chunks, first)
+    except BaseException:
+        if resp is not None:
+            await resp.aclose()
+        lease.release()
+        raise
+
+
+def _decode_status_error(
+    pool: BackendPool, lease: Lease, status: int, raw: bytes, request_id: str
+) -> ProxyError:
+    passthrough, detail = backend_error_body(raw)
+    if 400 <= status < 500:
+        # the request itself is bad: D's answer goes to the client as it is
+        return ProxyError(status, f"request {request_id}: {detail}", body=passthrough)
+    pool.record_failure(lease.backend, f"http_{status}", fatal=False)
+    return ProxyError(
+        502, f"request {request_id}: decode backend {lease.url} answered {status}: {detail}",
+        code="decode_failed",
+    )

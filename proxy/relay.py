@@ -1,0 +1,201 @@
+"""Streaming relay: D's body goes to the client chunk by chunk as it arrives, never buffered.
+
+`RelayResponse` is a raw ASGI response. While it pumps D's chunks it also
+  - listens for the client's disconnect (and then stops at once, whatever D is doing),
+  - watches the P leg, if still running, for a verdict that ends the stream
+    (P's 4xx, or any P failure under --p-failure-policy cancel),
+  - enforces the request deadline.
+A failure after the first byte is reported in-band for SSE (an OpenAI error event, then
+`[DONE]`) and by closing the connection otherwise. On every path D's response is closed
+(which aborts D's request) and `on_close(reason)` is called exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import anyio
+import httpx
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from proxy.errors import ProxyError
+from proxy.legs import DecodeStream, PrefillResult, cancel_and_wait, next_chunk
+
+logger = logging.getLogger("pdserve.proxy")
+
+COMPLETED = "completed"
+CLIENT_DISCONNECT = "client_disconnect"
+PREFILL_FAILED = "prefill_failed"
+DECODE_FAILED = "decode_failed"
+TIMEOUT = "timeout"
+
+_HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive",
+               "content-encoding", "server", "date"}
+
+
+class _Abort(Exception):
+    def __init__(self, reason: str, error: ProxyError) -> None:
+        super().__init__(error.message)
+        self.reason = reason
+        self.error = error
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Returns when the client has gone (the request body must have been read already)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class RelayResponse(Response):
+    def __init__(
+        self,
+        stream: DecodeStream,
+        *,
+        request_id: str,
+        deadline: float,
+        prefill: asyncio.Task[PrefillResult] | None,
+        judge: Callable[[PrefillResult], ProxyError | None],
+        on_first_byte: Callable[[], None],
+        on_close: Callable[[str], None],
+    ) -> None:
+        self.stream = stream
+        self.request_id = request_id
+        self.deadline = deadline
+        self.prefill = prefill
+        self.judge = judge
+        self.on_first_byte = on_first_byte
+        self.on_close = on_close
+        self._sent_first_byte = False
+        self.status_code = 200
+        self.background = None
+        headers = {k: v for k, v in stream.response.headers.items()
+                   if k.lower() not in _HOP_BY_HOP and not k.lower().startswith("x-")}
+        headers["x-request-id"] = request_id
+        if stream.is_sse:
+            headers.setdefault("cache-control", "no-cache")
+            headers["x-accel-buffering"] = "no"
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        reason = COMPLETED
+        pump = asyncio.ensure_future(self._pump(send))
+        listener = asyncio.ensure_future(wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({pump, listener}, return_when=asyncio.FIRST_COMPLETED)
+            if pump.done():
+                reason = pump.result()
+            else:
+                reason = CLIENT_DISCONNECT
+                logger.info("request %s: client disconnected; aborting decode leg %s",
+                            self.request_id, self.stream.lease.url)
+        except OSError:
+            reason = CLIENT_DISCONNECT  # a server that reports a gone client by failing send()
+        except asyncio.CancelledError:
+            reason = CLIENT_DISCONNECT  # the server is cancelling us: shutdown or a lost client
+            raise
+        except Exception:
+            reason = "error"
+            logger.exception("request %s: relay failed", self.request_id)
+            raise
+        finally:
+            try:
+                await cancel_and_wait(pump, listener)
+                await self.stream.response.aclose()
+            finally:
+                self.stream.lease.release()
+                self.on_close(reason)
+
+    async def _pump(self, send: Send) -> str:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        chunk = self.stream.first_chunk
+        try:
+            while chunk is not None:
+                if chunk:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    if not self._sent_first_byte:
+                        self._sent_first_byte = True
+                        self.on_first_byte()
+                chunk = await self._next()
+        except _Abort as abort:
+            logger.warning("request %s: stream ended early (%s): %s",
+                           self.request_id, abort.reason, abort.error.message)
+            if self.stream.is_sse:
+                await send({"type": "http.response.body",
+                            "body": abort.error.sse_event() + b"data: [DONE]\n\n",
+                            "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            # not SSE: returning without the final body message makes the server drop the
+            # connection, so the client sees a broken response instead of a truncated one
+            return abort.reason
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return COMPLETED
+
+    async def _next(self) -> bytes | None:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise self._timeout()
+        if self.prefill is not None:
+            if not self.prefill.done():
+                return await self._next_watching_prefill(remaining)
+            self._judge_prefill()
+        try:
+            with anyio.fail_after(remaining):
+                return await next_chunk(self.stream.chunks)
+        except TimeoutError:
+            raise self._timeout() from None
+        except httpx.HTTPError as exc:
+            raise self._decode_broke(exc) from exc
+
+    async def _next_watching_prefill(self, remaining: float) -> bytes | None:
+        assert self.prefill is not None
+        step = asyncio.ensure_future(next_chunk(self.stream.chunks))
+        try:
+            await asyncio.wait({step, self.prefill}, timeout=remaining,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if self.prefill.done():
+                self._judge_prefill()
+            if not step.done() and self.prefill is None:
+                await asyncio.wait({step}, timeout=max(0.0, self.deadline - time.monotonic()))
+        except BaseException:
+            await cancel_and_wait(step)  # before anyone closes the stream it is reading
+            raise
+        if not step.done():
+            await cancel_and_wait(step)
+            raise self._timeout()
+        return self._result(step)
+
+    def _judge_prefill(self) -> None:
+        """P has finished: apply the verdict once. Raises _Abort if the stream must end."""
+        assert self.prefill is not None and self.prefill.done()
+        task, self.prefill = self.prefill, None
+        if task.cancelled():
+            return
+        error = self.judge(task.result())
+        if error is None:
+            return
+        raise _Abort(PREFILL_FAILED, error)  # the caller cancels `step`
+
+    def _result(self, step: asyncio.Future[bytes | None]) -> bytes | None:
+        try:
+            return step.result()
+        except httpx.HTTPError as exc:
+            raise self._decode_broke(exc) from exc
+
+    def _decode_broke(self, exc: Exception) -> _Abort:
+        lease = self.stream.lease
+        lease.pool.record_failure(lease.backend, "connection", fatal=True)
+        return _Abort(DECODE_FAILED, ProxyError(
+            502, f"request {self.request_id}: decode backend {lease.url} broke off the "
+            f"stream: {type(exc).__name__}: {exc}", code="decode_failed"))
+
+    def _timeout(self) -> _Abort:
+        return _Abort(TIMEOUT, ProxyError(
+            504, f"request {self.request_id}: no complete answer within the request timeout "
+            f"(decode backend {self.stream.lease.url})", code="timeout"))

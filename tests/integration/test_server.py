@@ -1,0 +1,452 @@
+"""`pdserve serve` end to end: a real server subprocess (python -m engine.server) with the tiny
+model, driven by the official `openai` client and raw HTTP.
+
+One server serves most tests (module fixture); the engine-death and SIGTERM tests each get a
+server of their own, started in the background while the shared one is being used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from engine.server.launcher import ServerProcess, launch_server
+
+API_KEY = "test-key"
+MODEL = "tiny"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MAX_MODEL_LEN = 512
+BODY_LIMIT = 65536
+COMMON = ["--served-model-name", MODEL, "--num-kv-blocks", "512",
+          "--max-model-len", str(MAX_MODEL_LEN)]
+
+
+def _start(tiny_model: str, log_dir: str, name: str, *args: str) -> ServerProcess:
+    return launch_server(tiny_model, *COMMON, *args, wait=False,
+                         log_path=os.path.join(log_dir, f"{name}.log"))
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
+    """The shared server plus the two that the lifecycle tests kill; all start together."""
+    log_dir = str(tmp_path_factory.mktemp("server-logs"))
+    started = {
+        "main": _start(tiny_model, log_dir, "main", "--api-key", API_KEY,
+                       "--max-request-body-bytes", str(BODY_LIMIT)),
+        "death": _start(tiny_model, log_dir, "death"),
+        "drain": _start(tiny_model, log_dir, "drain", "--drain-timeout", "30"),
+    }
+    try:
+        for s in started.values():
+            s.wait_healthy(300)
+        yield started
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers) -> ServerProcess:
+    return servers["main"]
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
+                         timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline_llm(tiny_model: str):
+    from engine import LLM
+
+    llm = LLM(model=tiny_model)
+    yield llm
+    llm.shutdown()
+
+
+def _greedy(max_tokens: int, **kw):
+    from engine import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def _sse_events(lines) -> list[str]:
+    return [line[len("data: "):] for line in lines if line.startswith("data: ")]
+
+
+# ---- generation ------------------------------------------------------------------------
+
+
+def test_greedy_completion_equals_offline_llm(client, offline_llm):
+    prompts = ["Hello world", "the cat sat on the"]
+    ref = offline_llm.generate(prompts, _greedy(12), use_tqdm=False)
+    for prompt, expected in zip(prompts, ref, strict=True):
+        resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                         temperature=0)
+        choice = resp.choices[0]
+        assert choice.text == expected.outputs[0].text
+        assert choice.finish_reason == expected.outputs[0].finish_reason
+        assert resp.usage.prompt_tokens == len(expected.prompt_token_ids)
+        assert resp.usage.completion_tokens == len(expected.outputs[0].token_ids)
+
+
+def test_batched_prompts_get_indexed_choices(client, offline_llm):
+    prompts = ["Hello world", "the cat sat on the"]
+    ref = offline_llm.generate(prompts, _greedy(6), use_tqdm=False)
+    resp = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.index for c in resp.choices] == [0, 1]
+    assert [c.text for c in resp.choices] == [r.outputs[0].text for r in ref]
+
+
+def test_stream_equals_nonstream_and_ends_with_done(server, client):
+    kw = dict(model=MODEL, prompt="streaming is", max_tokens=10, temperature=0,
+              extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True},
+                                            **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    body = {"model": MODEL, "prompt": "raw", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH,
+                      timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = _sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    assert all(json.loads(e)["object"] == "text_completion" for e in events[:-1])
+
+
+def test_chat_matches_offline_and_stream_agrees(server, client, offline_llm):
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": "name a colour"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                          temperature=0)
+    # The server's own rendering of the conversation, generated offline, gives the same text.
+    tok = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=30).json()
+    ref = offline_llm.generate({"prompt_token_ids": tok["tokens"]}, _greedy(8), use_tqdm=False)
+    assert full.choices[0].message.content == ref[0].outputs[0].text
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.prompt_tokens == tok["count"]
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_n2_and_seeded_sampling_is_reproducible(client):
+    kw = dict(model=MODEL, prompt="once upon a time", max_tokens=8, temperature=1.0, n=2,
+              seed=1234, extra_body={"ignore_eos": True})
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert sorted(c.index for c in a.choices) == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.usage.completion_tokens == 16
+    other = [client.completions.create(**{**kw, "seed": s}).choices[0].text for s in (1, 2, 3)]
+    assert any(t != a.choices[0].text for t in other)  # the seed really steers sampling
+
+
+def test_stop_string_cuts_the_text(client):
+    base = client.completions.create(model=MODEL, prompt="the cat sat", max_tokens=16,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    text = base.choices[0].text
+    start = next(i for i in range(3, len(text) - 3)
+                 if text[i:i + 3].isascii() and text[i:i + 3].strip() == text[i:i + 3])
+    stop = text[start:start + 3]
+    cut = client.completions.create(model=MODEL, prompt="the cat sat", max_tokens=16,
+                                    temperature=0, stop=[stop, "never-seen-xyz"],
+                                    extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_completion_and_chat_logprobs(client):
+    resp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0,
+                                     logprobs=3, extra_body={"ignore_eos": True})
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for sampled, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert sampled <= 0 and 1 <= len(top) <= 4
+        assert sampled == pytest.approx(max(top.values()), abs=1e-4)  # greedy = the best
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+        temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    assert "".join(t.token for t in content) == chat.choices[0].message.content or any(
+        "\ufffd" in t.token for t in content)
+
+
+def test_64_concurrent_streams_all_complete(server):
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int, str | None, str]:
+        want = 4 + i % 5
+        stream = await client.completions.create(
+            model=MODEL, prompt=f"request number {i}", max_tokens=want, temperature=0.8,
+            seed=i, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})
+        text, finish, usage = "", None, None
+        async for chunk in stream:
+            for c in chunk.choices:
+                text += c.text
+                finish = c.finish_reason or finish
+            usage = chunk.usage or usage
+        return want, usage.completion_tokens, finish, text
+
+    async def run() -> list:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY,
+                                      max_retries=0, timeout=240) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(run())
+    assert len(results) == 64
+    for want, got, finish, text in results:
+        assert got == want and finish == "length" and text
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+
+def _post(server, path: str, *, body=None, content=None, headers=None) -> httpx.Response:
+    hdrs = {**AUTH, **(headers or {})}
+    if content is not None:
+        hdrs.setdefault("Content-Type", "application/json")
+        return httpx.post(server.url + path, content=content, headers=hdrs, timeout=30)
+    return httpx.post(server.url + path, json=body, headers=hdrs, timeout=30)
+
+
+@pytest.mark.parametrize(("case", "kwargs", "status", "param"), [
+    ("malformed json", {"content": b'{"prompt": "x",'}, 400, None),
+    ("not an object", {"body": [1, 2, 3]}, 400, None),
+    ("wrong prompt type", {"body": {"prompt": 5}}, 400, "prompt"),
+    ("wrong max_tokens type", {"body": {"prompt": "x", "max_tokens": "many"}}, 400, "max_tokens"),
+    ("negative max_tokens", {"body": {"prompt": "x", "max_tokens": -1}}, 400, "max_tokens"),
+    ("negative temperature", {"body": {"prompt": "x", "temperature": -1}}, 400, "temperature"),
+    ("empty prompt", {"body": {"prompt": ""}}, 400, "prompt"),
+    ("prompt too long", {"body": {"prompt": [5] * (MAX_MODEL_LEN + 10)}}, 400, "prompt"),
+    ("huge max_tokens", {"body": {"prompt": "x", "max_tokens": 100000}}, 400, "max_tokens"),
+    ("token out of vocab", {"body": {"prompt": [10**9]}}, 400, "prompt_token_ids"),
+    ("empty stop string", {"body": {"prompt": "x", "stop": [""]}}, 400, "stop"),
+    ("unknown model", {"body": {"prompt": "x", "model": "gpt-9"}}, 404, "model"),
+])
+def test_bad_completion_input_is_a_4xx_openai_error(server, case, kwargs, status, param):
+    r = _post(server, "/v1/completions", **kwargs)
+    assert r.status_code == status, (case, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, (case, err)
+
+
+def test_bad_chat_input_and_auth_and_size(server):
+    assert _post(server, "/v1/chat/completions", body={"messages": []}).status_code == 400
+    r = _post(server, "/v1/chat/completions", body={"messages": [{"role": "robot"}]})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["param"]
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x"}, headers=headers,
+                       timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200  # no key needed
+    big = json.dumps({"prompt": "x" * (BODY_LIMIT + 10)}).encode()
+    assert _post(server, "/v1/completions", content=big).status_code == 413
+
+    def chunked():
+        yield b'{"prompt": "'
+        for _ in range(BODY_LIMIT // 1000 + 2):
+            yield b"x" * 1000
+        yield b'"}'
+
+    r = httpx.post(server.url + "/v1/completions", content=chunked(), timeout=30,
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.get(server.url + "/v1/nowhere", headers=AUTH, timeout=30)
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_openai_client_sees_typed_errors(client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=-5)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    bad = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+# ---- auxiliary routes ----------------------------------------------------------------------
+
+
+def test_models_tokenize_detokenize_version_kv_info(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    tok = _post(server, "/tokenize", body={"prompt": "Hello world"}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == MAX_MODEL_LEN
+    detok = _post(server, "/detokenize", body={"tokens": tok["tokens"]}).json()
+    assert detok["prompt"] == "Hello world"
+    assert _post(server, "/detokenize", body={"tokens": [10**8]}).status_code == 400
+    assert httpx.get(server.url + "/version", timeout=30).json()["version"]
+    r = httpx.get(server.url + "/kv_transfer/info", timeout=30)
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def _metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_metrics_count_tokens_and_latencies(server, client):
+    before = httpx.get(server.url + "/metrics", timeout=30).text
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=5,
+                              extra_body={"ignore_eos": True})
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    gen = "pdserve:generation_tokens_total"
+    assert _metric(text, gen) - _metric(before, gen) == 5
+    assert _metric(text, "pdserve:prompt_tokens_total") > _metric(before,
+                                                                  "pdserve:prompt_tokens_total")
+    for name in ("pdserve:time_to_first_token_seconds_count",
+                 "pdserve:e2e_request_latency_seconds_count",
+                 "pdserve:inter_token_latency_seconds_count"):
+        assert _metric(text, name) > _metric(before, name), name
+    for name in ("pdserve:num_requests_running", "pdserve:num_requests_waiting",
+                 "pdserve:kv_cache_usage_perc", "pdserve:num_free_kv_blocks",
+                 "pdserve:kv_push_writes_total", "pdserve:kv_transfer_bytes_total",
+                 "pdserve:kv_remote_prefill_tokens_total", "pdserve:kv_transfer_seconds_count"):
+        assert f"\n{name}{{" in text, name
+    assert _metric(text, "pdserve:num_free_kv_blocks") == 512
+
+
+def test_client_disconnect_aborts_the_request(server, client):
+    body = {"model": MODEL, "prompt": "a very long story", "max_tokens": 400, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH,
+                      timeout=60) as r:
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data: ")
+            if events >= 2:
+                break
+    time.sleep(1.0)
+    # The next request's outputs carry a fresh scheduler snapshot: only it may be running.
+    client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    assert _metric(text, "pdserve:num_requests_running") == 0
+    assert _metric(text, "pdserve:num_free_kv_blocks") == 512
+
+
+# ---- lifecycle ---------------------------------------------------------------------------
+
+
+def _engine_core(server: ServerProcess) -> psutil.Process:
+    procs = [p for p in psutil.Process(server.pid).children()
+             if "spawn_main" in " ".join(p.cmdline())]
+    assert len(procs) == 1, procs
+    return procs[0]
+
+
+class _Stream(threading.Thread):
+    """One streaming request on its own thread; records what came and when it ended."""
+
+    def __init__(self, url: str, max_tokens: int, headers: dict | None = None) -> None:
+        super().__init__(daemon=True, name=f"stream-{max_tokens}")
+        self.url, self.max_tokens, self.headers = url, max_tokens, headers or {}
+        self.events: list[str] = []
+        self.first = threading.Event()
+        self.ended_at: float | None = None
+        self.error: BaseException | None = None
+        self.status: int | None = None
+
+    def run(self) -> None:
+        body = {"model": MODEL, "prompt": "tell me", "max_tokens": self.max_tokens,
+                "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=body,
+                              headers=self.headers, timeout=120) as r:
+                self.status = r.status_code
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line[6:])
+                        self.first.set()
+        except BaseException as exc:  # noqa: BLE001 - inspected by the test
+            self.error = exc
+        finally:
+            self.ended_at = time.monotonic()
+            self.first.set()
+
+    def usage_tokens(self) -> int | None:
+        for e in reversed(self.events):
+            if e != "[DONE]" and json.loads(e).get("usage"):
+                return json.loads(e)["usage"]["completion_tokens"]
+        return None
+
+
+def test_engine_death_fails_open_requests_fast(servers):
+    server = servers["death"]
+    streams = [_Stream(server.url, 400) for _ in range(3)]
+    for s in streams:
+        s.start()
+    for s in streams:
+        assert s.first.wait(120) and s.status == 200 and s.events
+    core = _engine_core(server)
+    core.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    for s in streams:
+        s.join(10)
+        assert s.ended_at is not None and s.ended_at - killed < 2.0
+        errors = [json.loads(e) for e in s.events if e != "[DONE]" and "error" in json.loads(e)]
+        assert s.error is not None or errors, s.events[-3:]
+        if errors:
+            assert errors[-1]["error"]["code"] == "engine_dead"
+    r = httpx.get(server.url + "/health", timeout=5)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x"}, timeout=5)
+    assert r.status_code == 503
+    assert server.process.poll() is None  # the API server answers, it does not hang or crash
+
+
+def test_sigterm_drains_in_flight_requests_then_exits(servers):
+    server = servers["drain"]
+    descendants = server.descendants()
+    assert descendants
+    streams = [_Stream(server.url, 24) for _ in range(3)]
+    for s in streams:
+        s.start()
+    for s in streams:
+        assert s.first.wait(120) and s.status == 200 and s.events
+    server.process.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    time.sleep(0.3)
+    try:  # a new request is refused: no listener any more, or a 503 while it closes
+        refused = httpx.post(server.url + "/v1/completions", json={"prompt": "x"},
+                             timeout=5).status_code == 503
+    except httpx.TransportError:
+        refused = True
+    assert refused
+    for s in streams:
+        s.join(60)
+        assert s.error is None and s.events[-1] == "[DONE]"
+        assert s.usage_tokens() == 24
+    server.process.wait(30)
+    assert time.monotonic() - sent < 30
+    assert server.process.returncode == 0
+    _, alive = psutil.wait_procs(descendants, timeout=5)
+    assert not alive
