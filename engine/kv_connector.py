@@ -12,6 +12,7 @@ The engine knows connectors only by name (`kv_transfer_config.kv_connector`); th
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +114,16 @@ _REGISTRY: dict[str, str] = {
 
 def register_connector(name: str, target: str) -> None:
     _REGISTRY[name] = target
+
+
+def kv_params_validator(config: EngineConfig) -> Callable[[dict[str, Any]], None] | None:
+    """The configured connector's check of a request's kv_transfer_params (ValueError
+    naming the field), run in the frontend so a bad D leg is a 400, not an engine error."""
+    kv = config.kv_transfer_config
+    if kv is None or kv.kv_connector not in _REGISTRY:
+        return None
+    module = importlib.import_module(_REGISTRY[kv.kv_connector].split(":")[0])
+    return getattr(module, "validate_request_params", None)
 
 
 def make_connector(config: EngineConfig, spec: KVCacheSpec

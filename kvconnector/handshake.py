@@ -175,7 +175,11 @@ class SideChannelServer:
         try:
             while not self._stop.is_set():
                 if sock.poll(100, zmq.POLLIN):
-                    self._serve_one(sock)
+                    try:
+                        self._serve_one(sock)
+                    except Exception:  # the thread outlives any single bad exchange
+                        self.malformed_count += 1
+                        logger.exception("KV side channel %s: request failed", self.address)
         finally:
             sock.close()
             logger.info("KV side channel on %s stopped", self.address)

@@ -64,6 +64,7 @@ def main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per leg
     uvicorn.run(build_app(config), host=config.host, port=config.port,
                 log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
     return 0

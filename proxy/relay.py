@@ -37,6 +37,17 @@ _HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive"
                "content-encoding", "server", "date"}
 
 
+_DRAIN_SECONDS = 1.0
+_DONE = b"data: [DONE]"
+
+
+def _ends_with_done(tail: bytes) -> bool:
+    """Whether an SSE byte stream ends with the complete `data: [DONE]` event."""
+    if not (tail.endswith(b"\n\n") or tail.endswith(b"\r\n\r\n")):
+        return False
+    return tail.rstrip(b"\r\n").endswith(_DONE)
+
+
 class _Abort(Exception):
     def __init__(self, reason: str, error: ProxyError) -> None:
         super().__init__(error.message)
@@ -72,6 +83,7 @@ class RelayResponse(Response):
         self.on_first_byte = on_first_byte
         self.on_close = on_close
         self._sent_first_byte = False
+        self._upstream_ended = False
         self.status_code = 200
         self.background = None
         headers = {k: v for k, v in stream.response.headers.items()
@@ -106,15 +118,27 @@ class RelayResponse(Response):
         finally:
             try:
                 await cancel_and_wait(pump, listener)
+                if reason == COMPLETED and not self._upstream_ended:
+                    await self._drain_upstream()
                 await self.stream.response.aclose()
             finally:
                 self.stream.lease.release()
                 self.on_close(reason)
 
+    async def _drain_upstream(self) -> None:
+        """Read D's body to its end (briefly) so its connection can be reused."""
+        with anyio.move_on_after(_DRAIN_SECONDS):
+            try:
+                while await next_chunk(self.stream.chunks) is not None:
+                    pass
+            except httpx.HTTPError:
+                pass
+
     async def _pump(self, send: Send) -> str:
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
         chunk = self.stream.first_chunk
+        tail = b""
         try:
             while chunk is not None:
                 if chunk:
@@ -122,7 +146,14 @@ class RelayResponse(Response):
                     if not self._sent_first_byte:
                         self._sent_first_byte = True
                         self.on_first_byte()
+                    tail = (tail + chunk)[-32:]
+                    if self.stream.is_sse and _ends_with_done(tail):
+                        # the answer is complete: end it now, not when D closes its body,
+                        # or a client that hangs up at [DONE] would look like a disconnect
+                        break
                 chunk = await self._next()
+            else:
+                self._upstream_ended = True
         except _Abort as abort:
             logger.warning("request %s: stream ended early (%s): %s",
                            self.request_id, abort.reason, abort.error.message)

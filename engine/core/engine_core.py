@@ -13,7 +13,12 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.kv_connector import make_connector
-from engine.protocol import EngineCoreOutputs, EngineCoreRequest
+from engine.protocol import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SamplingParams,
+    SchedulerStats,
+)
 from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import Scheduler
 from engine.worker.model_runner import ModelRunner
@@ -59,8 +64,15 @@ class EngineCore:
         runner_output = self.runner.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         return EngineCoreOutputs(
-            outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=time.time()
+            outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.time()
         )
+
+    def make_stats(self) -> SchedulerStats:
+        stats = self.scheduler.make_stats()
+        for half in (self.scheduler.connector, self.worker_connector):
+            if half is not None:
+                stats.kv_connector.update(half.get_stats())
+        return stats
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -73,8 +85,14 @@ class EngineCore:
         return ["generate"]
 
     def get_stats(self) -> dict[str, Any]:
-        """Block and table accounting, for tests and debugging."""
+        """Block and table accounting plus the current scheduler stats, fresh (metrics
+        scrapes and leak checks use it)."""
+        sched = self.make_stats()
         stats: dict[str, Any] = {
+            "num_running_reqs": sched.num_running_reqs,
+            "num_waiting_reqs": sched.num_waiting_reqs,
+            "kv_cache_usage": sched.kv_cache_usage,
+            "kv_connector": dict(sched.kv_connector),
             "num_kv_blocks": self.num_kv_blocks,
             "num_free_blocks": self.scheduler.kv_cache_manager.num_free_blocks,
             "num_unfinished_requests": self.scheduler.get_num_unfinished_requests(),
@@ -84,6 +102,15 @@ class EngineCore:
             if half is not None:
                 stats.update(half.table_sizes())
         return stats
+
+    def debug_prompt_kv(self, prompt_token_ids: list[int]) -> list[bytes]:
+        """Raw bytes of the prefix-cached blocks holding this prompt's full blocks, in
+        prompt order (stops at the first block not cached). Tests compare P's and D's."""
+        probe = Request("debug-kv-probe", list(prompt_token_ids) + [0], SamplingParams(),
+                        None)
+        blocks, _ = self.scheduler.kv_cache_manager.get_computed_blocks(probe)
+        return [self.runner.kv_cache[b.block_id].contiguous().numpy().tobytes()
+                for b in blocks]
 
     def shutdown(self) -> None:
         if self.worker_connector is not None:

@@ -33,6 +33,7 @@ from engine.frontend.output_processor import (
     RequestOutputCollector,
 )
 from engine.frontend.outputs import RequestOutput
+from engine.kv_connector import kv_params_validator
 from engine.models.arch import load_arch
 from engine.models.tokenizer import Tokenizer
 from engine.protocol import EngineCoreOutputs, SamplingParams
@@ -59,7 +60,8 @@ class AsyncLLM:
         self.max_model_len = config.resolved_max_model_len(arch.max_position_embeddings)
         eos = arch.eos_token_ids[0] if arch.eos_token_ids else self.tokenizer.eos_token_id
         self.input_processor = InputProcessor(
-            self.tokenizer, self.max_model_len, eos, arch.vocab_size)
+            self.tokenizer, self.max_model_len, eos, arch.vocab_size,
+            kv_params_validator=kv_params_validator(config))
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=True)
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.client = client or make_client(config, multiprocess=multiprocess,
@@ -221,6 +223,10 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         self._raise_if_dead()
         return bool(await self.client.call_utility_async("reset_prefix_cache"))
+
+    async def debug_prompt_kv(self, prompt_token_ids: list[int]) -> list[bytes]:
+        self._raise_if_dead()
+        return list(await self.client.call_utility_async("debug_prompt_kv", prompt_token_ids))
 
     async def get_stats(self) -> dict[str, Any]:
         self._raise_if_dead()

@@ -8,7 +8,7 @@ with `param` set, and nothing half-validated is ever queued.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -40,6 +40,7 @@ class InputProcessor:
         eos_token_id: int | None,
         vocab_size: int,
         generation_defaults: dict[str, Any] | None = None,
+        kv_params_validator: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
@@ -48,6 +49,7 @@ class InputProcessor:
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
         self.generation_defaults = dict(generation_defaults or {})
+        self.kv_params_validator = kv_params_validator
         if self.generation_defaults:
             SamplingParams(**self.generation_defaults)  # fail at start-up, not per request
 
@@ -136,6 +138,8 @@ class InputProcessor:
             raise ValueError("request_id must be a non-empty string")
         if params is None:
             params = self.default_sampling_params()
+        if kv_transfer_params is not None and self.kv_params_validator is not None:
+            self.kv_params_validator(kv_transfer_params)
         ids, text = self.tokenize(prompt)
         self._validate_ids(ids)
         params = self._resolve_params(params, len(ids))

@@ -10,6 +10,7 @@ from engine.config import EngineConfig
 from engine.frontend.input_processor import InputProcessor
 from engine.frontend.output_processor import OutputProcessor, ParentRequest
 from engine.frontend.outputs import RequestOutput
+from engine.kv_connector import kv_params_validator
 from engine.models import load_arch
 from engine.models.tokenizer import Tokenizer
 from engine.protocol import SamplingParams
@@ -35,7 +36,8 @@ class LLMEngine:
         self.max_model_len = config.resolved_max_model_len(arch.max_position_embeddings)
         eos = arch.eos_token_ids[0] if arch.eos_token_ids else self.tokenizer.eos_token_id
         self.input_processor = InputProcessor(
-            self.tokenizer, self.max_model_len, eos, arch.vocab_size
+            self.tokenizer, self.max_model_len, eos, arch.vocab_size,
+            kv_params_validator=kv_params_validator(config),
         )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
         self.client = make_engine_client(config, multiprocess)

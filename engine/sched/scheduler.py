@@ -115,6 +115,8 @@ class Scheduler:
                 admitted=False,
             )
         self.requests[rid] = request
+        if self.connector is not None:
+            self.connector.on_request_added(request)
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:

@@ -8,7 +8,10 @@ shutdown of the real one.
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import inspect
+import os
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
@@ -120,8 +123,31 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        # Stats ride on outputs; refresh them so counters that moved after the last output
+        # (a WRITE finishing, a lease expiring) are current.
+        try:
+            stats = await asyncio.wait_for(engine.get_stats(), timeout=2.0)
+            app.state.metrics.update_scheduler_stats(
+                {**stats, "num_free_blocks": stats["num_free_blocks"],
+                 "num_total_blocks": stats["num_kv_blocks"]})
+        except Exception:  # noqa: BLE001 - a dead or slow engine still gets its last numbers
+            pass
         return Response(app.state.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/engine_stats")
+    async def engine_stats() -> dict[str, Any]:
+        """Block and connector-table accounting (tests and operators check for leaks)."""
+        await engine_alive()
+        return await engine.get_stats()
+
+    if os.environ.get("PDSERVE_DEBUG_ROUTES") == "1":
+        @app.post("/debug/prompt_kv")
+        async def debug_prompt_kv(body: dict[str, Any]) -> dict[str, Any]:
+            """Test-only (PDSERVE_DEBUG_ROUTES=1): the cached KV bytes of a prompt's blocks."""
+            await engine_alive()
+            blocks = await engine.debug_prompt_kv(list(body["prompt_token_ids"]))
+            return {"blocks": [base64.b64encode(b).decode() for b in blocks]}
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Generator, Mapping
 from typing import Any
@@ -136,7 +137,14 @@ def serve_main(args: argparse.Namespace, *, role_defaults: Mapping[str, Any] | N
         print(f"pdserve serve: error: {exc}", file=sys.stderr)
         return 2
     with _exit_on_signal():
-        return asyncio.run(_serve(config, settings, args))
+        try:
+            return asyncio.run(_serve(config, settings, args))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception:
+            logger.exception("pdserve serve failed")
+            return 1
+    return 0  # interrupted (SIGTERM/SIGINT) while starting: an orderly stop
 
 
 @contextlib.contextmanager
@@ -156,6 +164,18 @@ def _exit_on_signal() -> Generator[None, None, None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock  # not inheritable: the EngineCore child never holds the port
+
+
 def start_engine(config: EngineConfig, metrics: ServerMetrics) -> Any:
     from engine.frontend.async_llm import AsyncLLM
 
@@ -166,8 +186,19 @@ async def _serve(config: EngineConfig, settings: ServerSettings,
                  args: argparse.Namespace) -> int:
     from engine.server.uvicorn_server import DrainingServer
 
+    # Bind before the (slow) engine start: a taken port fails at once, and clients polling
+    # /health see "connection refused" until the app really serves.
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        logger.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
+        return 1
     metrics = ServerMetrics(config.model_name)
-    engine = start_engine(config, metrics)
+    try:
+        engine = start_engine(config, metrics)
+    except BaseException:
+        sock.close()
+        raise
     try:
         accepted = (config.model,) if config.served_model_name else ()
         app = build_app(engine, model_name=config.model_name, accepted_model_names=accepted,
@@ -175,10 +206,12 @@ async def _serve(config: EngineConfig, settings: ServerSettings,
         server = DrainingServer(app, host=args.host, port=args.port,
                                 drain_timeout=args.drain_timeout, log_level=args.log_level,
                                 access_log=args.access_log)
-        logger.info("serving %s on http://%s:%d", config.model_name, args.host, args.port)
-        await server.serve()
+        logger.info("serving %s on http://%s:%d", config.model_name, args.host,
+                    sock.getsockname()[1])
+        await server.serve(sockets=[sock])
         return 0 if server.started else 1
     finally:
+        sock.close()
         # Already exiting: a further SIGTERM must not interrupt the engine's shutdown.
         with contextlib.suppress(ValueError):  # not the main thread
             signal.signal(signal.SIGTERM, signal.SIG_IGN)

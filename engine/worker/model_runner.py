@@ -80,7 +80,7 @@ class ModelRunner:
             num_blocks=num_blocks, block_size=self.block_size, num_layers=a.num_layers,
             num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
             dtype=str(self.model.dtype).removeprefix("torch."), bytes_per_block=per_block,
-            model_name=self.config.model_name,
+            model_name=f"{a.architecture}:{a.hidden_size}:{a.vocab_size}",
         )
 
     @property

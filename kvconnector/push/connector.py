@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.kv_connector import KVCacheSpec, KVConnectorOutput, KVConnectorWorker
 from kvconnector.handshake import SideChannelServer, compat_hash, fetch_peer_metadata
 from kvconnector.nixl import NixlTransport
+from kvconnector.params import validate_kv_transfer_params
 from kvconnector.push.meta import PushMeta
 from kvconnector.push.peers import Peers
 from kvconnector.push.receiver import Receiver
@@ -25,7 +26,11 @@ from kvconnector.push.writer import PushWriter
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PushScheduler", "PushWorker"]
+__all__ = ["PushScheduler", "PushWorker", "validate_request_params"]
+
+
+def validate_request_params(params: dict[str, Any]) -> None:
+    validate_kv_transfer_params(params, "push")
 
 TRANSFER_MODE = "push"
 _HANDSHAKE_TIMEOUT_S = 3.0

@@ -290,6 +290,16 @@ def test_sigterm_drains_in_flight_requests_then_exits_over_tcp(config):
         c.shutdown()
 
 
+def test_startup_failure_is_reported_with_its_cause_and_leaves_nothing_behind(tmp_path):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"]}')
+    before = {p.pid for p in live_children()}
+    with pytest.raises(RuntimeError, match="failed to start: .*NoSuchForCausalLM"):
+        SyncMPClient(EngineConfig(model=str(broken), num_kv_blocks=16))
+    assert {p.pid for p in live_children()} <= before
+
+
 def test_core_exits_when_its_parent_process_dies(config, tmp_path):
     script = tmp_path / "frontend.py"
     script.write_text(textwrap.dedent("""

@@ -461,3 +461,63 @@ def test_bench_transfer_reports_design_keys_and_moves_the_right_bytes(tmp_path) 
     assert result["descriptors"] == 7 and result["verified"] is True
     assert result["gbps"] > 0 and result["ratio"] == pytest.approx(
         result["gbps"] / result["memcpy_gbps"], rel=0.01)
+
+
+# ---------------------------------------------------------------- in-process details
+
+
+def test_fault_injection_config_is_strict() -> None:
+    from kvconnector.nixl import FaultInjection
+
+    with pytest.raises(ValueError, match="unknown key"):
+        FaultInjection.from_dict({"fail_writes": True})
+    with pytest.raises(ValueError, match="unknown notification kind"):
+        FaultInjection.from_dict({"drop_notif": ["PUSH_REGISTER"]})
+    with pytest.raises(ValueError, match="probability"):
+        FaultInjection.from_dict({"fail_write": True, "probability": 2})
+    parsed = FaultInjection.from_dict({"drop_notif": ["HB"], "delay_notif": {"PUSH_FAIL": 1}})
+    assert parsed.drop_notif == frozenset({"HB"}) and parsed.delay_notif == {"PUSH_FAIL": 1.0}
+
+
+def test_count_runs_counts_runs_consecutive_on_both_sides() -> None:
+    from kvconnector.nixl import count_runs
+
+    assert count_runs([1, 2, 3, 8, 20], [5, 6, 7, 30, 0]) == 3
+    assert count_runs([0, 1, 2], [4, 6, 7]) == 2
+    assert count_runs(list(range(100)), list(range(50, 150))) == 1
+    assert count_runs([], []) == 0
+
+
+def test_seeded_probabilistic_faults_repeat_exactly() -> None:
+    """Soak tests rely on it: the same seed injects the same faults in the same order."""
+    import torch
+
+    from kvconnector.nixl import NixlTransport, TransferError
+
+    faults = {"fail_write": True, "probability": 0.5, "seed": 11}
+    caches = [torch.zeros((NUM_BLOCKS, *BLOCK_SHAPE)) for _ in range(3)]
+    bpb = caches[0][0].numel() * 4
+    a = NixlTransport("seeded-a", caches[0], bpb, fault_injection=faults)
+    b = NixlTransport("seeded-b", caches[1], bpb, fault_injection=faults)
+    sink = NixlTransport("seeded-sink", caches[2], bpb)
+    try:
+        patterns = []
+        for t in (a, b):
+            t.add_peer(sink.local_metadata())
+            outcome = []
+            for i in range(24):
+                try:
+                    handle = t.write("seeded-sink", [i], [i])
+                except TransferError:
+                    outcome.append(False)
+                    continue
+                while t.check(handle) == "PROC":
+                    sink.get_new_notifs()
+                assert t.release(handle)
+                outcome.append(True)
+            patterns.append(outcome)
+        assert patterns[0] == patterns[1] and 0 < sum(patterns[0]) < 24
+        assert a.fault_counts == {"fail_write": 24 - sum(patterns[0])}
+    finally:
+        for t in (a, b, sink):
+            t.shutdown()

@@ -344,6 +344,10 @@ def test_client_disconnect_aborts_the_request(server, client):
             events += line.startswith("data: ")
             if events >= 2:
                 break
+    # A non-streaming request whose client gives up is aborted too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={**body, "stream": False},
+                   headers=AUTH, timeout=httpx.Timeout(30, read=1.5))
     time.sleep(1.0)
     # The next request's outputs carry a fresh scheduler snapshot: only it may be running.
     client.completions.create(model=MODEL, prompt="x", max_tokens=2)
@@ -450,3 +454,87 @@ def test_sigterm_drains_in_flight_requests_then_exits(servers):
     assert server.process.returncode == 0
     _, alive = psutil.wait_procs(descendants, timeout=5)
     assert not alive
+
+
+# ---- in-process pieces: CLI → config, /kv_transfer/info, connector metrics -------------------
+
+
+def test_cli_flags_and_role_defaults_build_the_engine_config(tiny_model):
+    import argparse
+
+    from engine.server.cli import add_serve_args, config_from_args, kv_transfer_info
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    parser.add_argument("--kv-host", default="127.0.0.1")
+    parser.add_argument("--kv-port", type=int, default=0)
+    args = parser.parse_args([
+        tiny_model, "--block-size", "32", "--max-num-seqs", "7", "--seed", "3",
+        "--kv-transfer-config", '{"kv_connector": "NixlPushConnector", "engine_id": "p0", '
+        '"kv_port": 5601, "kv_connector_extra_config": {"kv_lease_duration": 9}}',
+        "--kv-host", "10.0.0.2"])
+    role = {"kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_producer",
+                                   "kv_connector_extra_config": {"backends": ["UCX"]}},
+            "max_num_seqs": 99, "max_num_batched_tokens": 512}
+    config = config_from_args(args, role)
+    assert (config.block_size, config.max_num_seqs, config.seed) == (32, 7, 3)
+    assert config.max_num_batched_tokens == 512  # role default where no flag was given
+    kv = config.kv_transfer_config
+    assert (kv.kv_connector, kv.kv_role, kv.engine_id) == ("NixlPushConnector", "kv_producer", "p0")
+    assert (kv.kv_host, kv.kv_port) == ("10.0.0.2", 5601)  # the JSON's port wins over the flag
+    assert kv.kv_connector_extra_config == {"backends": ["UCX"], "kv_lease_duration": 9}
+    assert kv_transfer_info(config) == {
+        "engine_id": "p0", "kv_host": "10.0.0.2", "kv_port": 5601, "tp_size": 1,
+        "block_size": 32, "kv_role": "kv_producer", "kv_connector": "NixlPushConnector"}
+    plain = config_from_args(parser.parse_args([tiny_model]))
+    assert plain.kv_transfer_config is None and kv_transfer_info(plain) is None
+
+
+class _StubEngine:
+    """Just enough engine for routes that never generate."""
+
+    def __init__(self, tokenizer, live_info=None):
+        self.tokenizer, self.max_model_len, self._live = tokenizer, 64, live_info
+
+    async def check_health(self):
+        return None
+
+    def kv_transfer_info(self):
+        return self._live
+
+
+def test_kv_transfer_info_route_reports_config_and_live_values(tiny_model):
+    from fastapi.testclient import TestClient
+
+    from engine.models.tokenizer import Tokenizer
+    from engine.server.app import ServerSettings, build_app
+
+    info = {"engine_id": "p0", "kv_host": "127.0.0.1", "kv_port": 0, "tp_size": 1,
+            "block_size": 16, "kv_role": "kv_producer", "kv_connector": "NixlPushConnector"}
+    engine = _StubEngine(Tokenizer.from_dir(tiny_model), live_info={"kv_port": 5555})
+    app = build_app(engine, model_name=MODEL, settings=ServerSettings(kv_transfer_info=info))
+    with TestClient(app) as c:
+        assert c.get("/kv_transfer/info").json() == {**info, "kv_port": 5555}
+
+
+def test_connector_counters_are_exported_from_cumulative_values():
+    from engine.protocol import SchedulerStats
+    from engine.server.metrics import ServerMetrics
+
+    m = ServerMetrics(MODEL)
+    for writes in (3, 5):  # cumulative: the exported counter is set, not summed
+        m.record(scheduler_stats=SchedulerStats(
+            num_running_reqs=2, num_free_blocks=40, kv_cache_usage=0.25,
+            kv_connector={"kv_push_writes_total": writes, "pdserve:kv_transfer_bytes_total": 4096,
+                          "kv_transfer_seconds_sum": 0.5, "kv_transfer_seconds_count": 2,
+                          "garbage": "x"}),
+            iteration_stats=None)
+    text = m.render().decode()
+    assert _metric(text, "pdserve:kv_push_writes_total") == 5
+    assert _metric(text, "pdserve:kv_transfer_bytes_total") == 4096
+    assert _metric(text, "pdserve:kv_transfer_seconds_sum") == 0.5
+    assert _metric(text, "pdserve:kv_transfer_seconds_count") == 2
+    assert _metric(text, "pdserve:num_requests_running") == 2
+    assert _metric(text, "pdserve:kv_cache_usage_perc") == 0.25
+    assert _metric(text, "pdserve:kv_recv_failed_total") == 0
+    assert ServerMetrics(MODEL).registry is not m.registry  # two apps, no clash

@@ -21,7 +21,7 @@ from engine.server.launcher import ServerProcess, launch_server
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 48
-EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "120"))
 
 
 @pytest.fixture(scope="module")
@@ -51,15 +51,24 @@ json_values = st.recursive(
                             st.dictionaries(st.text(max_size=8), inner, max_size=4)),
     max_leaves=10,
 )
-small_ints = st.one_of(st.integers(-3, 6), st.sampled_from([0, 10**6, -(2**31), 2**63, 2**80]))
-unit_floats = st.one_of(st.floats(-0.5, 2.5), st.sampled_from([float("nan"), float("inf")]))
-text_or_junk = st.one_of(st.text(max_size=24), json_values)
-prompt = st.one_of(
-    st.text(max_size=40),
-    st.lists(st.integers(-5, 2100), max_size=12),
-    st.lists(st.text(min_size=0, max_size=10), max_size=3),
-    st.lists(st.lists(st.integers(0, 2047), max_size=5), max_size=2),
-    json_values,
+def _mostly(valid: st.SearchStrategy, invalid: st.SearchStrategy) -> st.SearchStrategy:
+    """About 90% valid values, so many bodies get past validation into the engine."""
+    return st.sampled_from(range(10)).flatmap(lambda i: invalid if i == 7 else valid)
+
+
+bad_ints = st.one_of(st.integers(-3, 0), st.sampled_from([10**6, -(2**31), 2**63, 2**80]),
+                     json_scalars)
+bad_floats = st.one_of(st.floats(-5, -0.01), st.floats(2.01, 50),
+                       st.sampled_from([float("nan"), float("inf"), -float("inf")]),
+                       json_scalars)
+prob = _mostly(st.floats(0.05, 1.0), bad_floats)
+penalty = _mostly(st.floats(-2.0, 2.0), bad_floats)
+prompt = _mostly(
+    st.one_of(st.text(min_size=1, max_size=40),
+              st.lists(st.integers(0, 2047), min_size=1, max_size=12),
+              st.lists(st.text(min_size=1, max_size=10), min_size=1, max_size=2)),
+    st.one_of(st.just(""), st.lists(st.integers(-5, 5000), max_size=12),
+              st.lists(st.lists(st.integers(0, 2047), max_size=5), max_size=2), json_values),
 )
 
 
@@ -68,49 +77,68 @@ def _optional(**fields: st.SearchStrategy) -> st.SearchStrategy[dict]:
 
 
 sampling_fields = dict(
-    model=st.one_of(st.just(MODEL), st.text(max_size=5), json_values),
-    max_tokens=small_ints,
-    n=st.one_of(st.integers(-1, 2), st.sampled_from([10**9, "2"])),
-    temperature=unit_floats, top_p=unit_floats, min_p=unit_floats,
-    top_k=small_ints, seed=st.one_of(small_ints, st.integers(-(2**64), 2**64)),
-    stop=st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3),
-                   json_values),
-    stop_token_ids=st.one_of(st.lists(st.integers(-2, 3000), max_size=3), json_values),
-    presence_penalty=unit_floats, frequency_penalty=unit_floats,
-    repetition_penalty=unit_floats, min_tokens=small_ints, ignore_eos=st.booleans(),
-    stream=st.booleans(),
-    stream_options=st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}),
-                             json_values),
-    logit_bias=st.one_of(st.none(), st.dictionaries(st.text(max_size=3), st.floats(-1, 1),
-                                                    max_size=2)),
-    kv_transfer_params=st.one_of(st.none(), st.dictionaries(st.text(max_size=5), json_scalars,
-                                                            max_size=2)),
-    best_of=small_ints,
+    model=_mostly(st.just(MODEL), st.one_of(st.text(max_size=5), json_values)),
+    n=_mostly(st.integers(1, 2), st.one_of(st.sampled_from([0, -1, 10**9, "2"]), json_values)),
+    temperature=_mostly(st.floats(0.0, 2.0), bad_floats),
+    top_p=prob, min_p=_mostly(st.floats(0.0, 0.2), bad_floats),
+    top_k=_mostly(st.integers(-1, 50), bad_ints),
+    seed=_mostly(st.integers(0, 2**32), st.integers(-(2**70), 2**70)),
+    stop=_mostly(st.one_of(st.text(min_size=1, max_size=3),
+                           st.lists(st.text(min_size=1, max_size=3), max_size=3)),
+                 st.one_of(st.just(""), st.lists(st.just(""), min_size=1), json_values)),
+    stop_token_ids=_mostly(st.lists(st.integers(0, 2047), max_size=3),
+                           st.one_of(st.lists(st.integers(-2, 10**10), min_size=1), json_values)),
+    presence_penalty=penalty, frequency_penalty=penalty,
+    repetition_penalty=_mostly(st.floats(0.5, 2.0), bad_floats),
+    min_tokens=_mostly(st.integers(0, 2), bad_ints),
+    ignore_eos=_mostly(st.booleans(), json_scalars),
+    logit_bias=_mostly(st.none() | st.just({}),
+                       st.dictionaries(st.text(max_size=3), st.floats(-1, 1), max_size=2)),
+    kv_transfer_params=_mostly(st.none(), st.dictionaries(st.text(max_size=5), json_scalars,
+                                                          max_size=2)),
+    user=_mostly(st.text(max_size=5), json_values),
+)
+max_tokens = _mostly(st.integers(1, 8), bad_ints)
+usage_option = st.fixed_dictionaries({"include_usage": st.booleans()})
+streaming = _mostly(
+    st.one_of(st.just({}), st.just({"stream": False}), st.just({"stream": True}),
+              st.fixed_dictionaries({"stream": st.just(True), "stream_options": usage_option})),
+    st.fixed_dictionaries({"stream": st.one_of(st.booleans(), json_scalars),
+                           "stream_options": json_values}),
+)
+chat_logprobs = _mostly(
+    st.one_of(st.just({}), st.just({"logprobs": False}),
+              st.fixed_dictionaries({"logprobs": st.just(True)},
+                                    optional={"top_logprobs": st.integers(0, 5)})),
+    st.fixed_dictionaries({"logprobs": json_scalars, "top_logprobs": bad_ints}),
 )
 
-completion_bodies = st.builds(
-    lambda base, extra: {**base, **extra},
-    st.fixed_dictionaries({"prompt": prompt}),
-    _optional(**sampling_fields, logprobs=small_ints, echo=st.booleans(),
-              suffix=st.one_of(st.none(), st.text(max_size=3))),
+
+def _merge(*parts: st.SearchStrategy[dict]) -> st.SearchStrategy[dict]:
+    return st.tuples(*parts).map(lambda ds: {k: v for d in ds for k, v in d.items()})
+
+
+completion_bodies = _merge(
+    streaming,
+    st.fixed_dictionaries({"prompt": prompt, "max_tokens": max_tokens}),
+    _optional(**sampling_fields, logprobs=_mostly(st.integers(0, 5), bad_ints),
+              echo=st.booleans(), suffix=_mostly(st.none(), st.text(max_size=3))),
 )
-message = st.one_of(
+message = _mostly(
     st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
-                           "content": st.text(max_size=30)}),
-    st.fixed_dictionaries({"role": st.sampled_from(["user", "robot"]),
-                           "content": st.one_of(
-                               st.lists(st.fixed_dictionaries(
-                                   {"type": st.just("text"), "text": st.text(max_size=10)}),
-                                   max_size=2),
-                               json_values)}),
-    json_values,
+                           "content": st.one_of(st.text(max_size=30), st.lists(
+                               st.fixed_dictionaries({"type": st.just("text"),
+                                                      "text": st.text(max_size=10)}),
+                               max_size=2))}),
+    st.one_of(st.fixed_dictionaries({"role": st.sampled_from(["robot", "user"]),
+                                     "content": json_values}), json_values),
 )
-chat_bodies = st.builds(
-    lambda base, extra: {**base, **extra},
-    st.fixed_dictionaries({"messages": st.one_of(st.lists(message, min_size=1, max_size=3),
-                                                 json_values)}),
-    _optional(**sampling_fields, logprobs=st.one_of(st.booleans(), json_scalars),
-              top_logprobs=small_ints, max_completion_tokens=small_ints,
+chat_bodies = _merge(
+    streaming, chat_logprobs,
+    st.fixed_dictionaries({"messages": _mostly(st.lists(message, min_size=1, max_size=3),
+                                               json_values),
+                           "max_tokens": max_tokens}),
+    _optional(**sampling_fields, max_completion_tokens=_mostly(st.integers(1, 8), bad_ints),
               add_generation_prompt=st.booleans(), continue_final_message=st.booleans()),
 )
 any_body = st.one_of(
