@@ -142,6 +142,11 @@ class ProxyState:
             response = err.response(headers={"x-request-id": request_id})
         except ClientGone:
             response = Response(status_code=499)
+        except Exception as exc:  # a bug: still an answer, and still counted
+            logger.exception("request %s: unexpected proxy error", request_id)
+            response = ProxyError(500, f"request {request_id}: internal proxy error: "
+                                  f"{type(exc).__name__}").response(
+                                      headers={"x-request-id": request_id})
         self.metrics.requests.labels(route=ROUTE_PATHS[route],
                                      status=str(response.status_code)).inc()
         return response

@@ -112,7 +112,7 @@ class BackendPool:
         backend.healthy = healthy
         self._metrics.backend_healthy.labels(url=backend.url, role=self.role).set(int(healthy))
         if healthy:
-            logger.info("%s backend %s back in rotation", self.role, backend.url)
+            logger.info("%s backend %s in rotation", self.role, backend.url)
         else:
             logger.warning("%s backend %s out of rotation: %s", self.role, backend.url, reason)
         for callback in self._on_transition:

@@ -109,8 +109,8 @@ class Dispatcher:
                      ctx.request_id, transfer_id, p_lease.url, d_lease.url)
         p_body = prefill_leg_body(ctx.body, ctx.route, push_prefill_params(transfer_id))
         d_body = decode_leg_body(ctx.body, push_decode_params(coords, transfer_id))
-        prefill = self._spawn(self._prefill_leg(ctx, p_lease, p_body), "proxy-p-leg")
-        opening = self._spawn(self._open_decode(ctx, d_lease, d_body), "proxy-d-open")
+        prefill = self._spawn_prefill(ctx, p_lease, p_body)
+        opening = self._spawn_decode(ctx, d_lease, d_body)
         stream = await self._await_decode(ctx, opening, prefill, d_lease.url)
         return self._relay(ctx, stream, prefill)
 
@@ -139,7 +139,7 @@ class Dispatcher:
         if p_lease is None:
             raise self._no_healthy(ctx, self.prefill)
         p_body = prefill_leg_body(ctx.body, ctx.route, pull_prefill_params())
-        prefill = self._spawn(self._prefill_leg(ctx, p_lease, p_body), "proxy-p-leg")
+        prefill = self._spawn_prefill(ctx, p_lease, p_body)
         await self._wait(ctx, {prefill}, on_give_up=[prefill],
                          what=f"prefill backend {p_lease.url}")
         result = prefill.result()
@@ -156,7 +156,7 @@ class Dispatcher:
         if d_lease is None:
             raise self._no_healthy(ctx, self.decode)
         d_body = decode_leg_body(ctx.body, kv_params)
-        opening = self._spawn(self._open_decode(ctx, d_lease, d_body), "proxy-d-open")
+        opening = self._spawn_decode(ctx, d_lease, d_body)
         stream = await self._await_decode(ctx, opening, None, d_lease.url)
         return self._relay(ctx, stream, None)
 
@@ -283,6 +283,26 @@ class Dispatcher:
         detail = "; ".join(errors or [b.url + ": " + b.last_error for b in pool.backends])
         return ProxyError(503, f"request {ctx.request_id}: no healthy {pool.role} backend "
                           f"({detail})", code=f"no_healthy_{pool.role}")
+
+    def _spawn_prefill(
+        self, ctx: RequestContext, lease: Lease, body: dict[str, Any]
+    ) -> asyncio.Task[PrefillResult]:
+        task = self._spawn(self._prefill_leg(ctx, lease, body), "proxy-p-leg")
+        # a task cancelled before its first step never runs its finally blocks
+        task.add_done_callback(lambda _: lease.release())
+        return task
+
+    def _spawn_decode(
+        self, ctx: RequestContext, lease: Lease, body: dict[str, Any]
+    ) -> asyncio.Task[DecodeStream]:
+        task = self._spawn(self._open_decode(ctx, lease, body), "proxy-d-open")
+
+        def release_unless_open(t: asyncio.Task[DecodeStream]) -> None:
+            if t.cancelled() or t.exception() is not None:
+                lease.release()  # on success the lease passes to the relay
+
+        task.add_done_callback(release_unless_open)
+        return task
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro, name=name)

@@ -41,7 +41,7 @@ _DRAIN_SECONDS = 1.0
 _DONE = b"data: [DONE]"
 
 
-def _ends_with_done(tail: bytes) -> bool:
+def ends_with_done_event(tail: bytes) -> bool:
     """Whether an SSE byte stream ends with the complete `data: [DONE]` event."""
     if not (tail.endswith(b"\n\n") or tail.endswith(b"\r\n\r\n")):
         return False
@@ -147,7 +147,7 @@ class RelayResponse(Response):
                         self._sent_first_byte = True
                         self.on_first_byte()
                     tail = (tail + chunk)[-32:]
-                    if self.stream.is_sse and _ends_with_done(tail):
+                    if self.stream.is_sse and ends_with_done_event(tail):
                         # the answer is complete: end it now, not when D closes its body,
                         # or a client that hangs up at [DONE] would look like a disconnect
                         break

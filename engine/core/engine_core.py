@@ -6,6 +6,7 @@ caller's thread in-process, the busy-loop thread in EngineCoreProc).
 
 from __future__ import annotations
 
+import base64
 import logging
 import time
 from collections.abc import Iterable
@@ -103,14 +104,14 @@ class EngineCore:
                 stats.update(half.table_sizes())
         return stats
 
-    def debug_prompt_kv(self, prompt_token_ids: list[int]) -> list[bytes]:
-        """Raw bytes of the prefix-cached blocks holding this prompt's full blocks, in
-        prompt order (stops at the first block not cached). Tests compare P's and D's."""
+    def debug_prompt_kv(self, prompt_token_ids: list[int]) -> list[str]:
+        """Raw bytes (base64) of the prefix-cached blocks holding this prompt's full blocks,
+        in prompt order (stops at the first block not cached). Tests compare P's and D's."""
         probe = Request("debug-kv-probe", list(prompt_token_ids) + [0], SamplingParams(),
                         None)
         blocks, _ = self.scheduler.kv_cache_manager.get_computed_blocks(probe)
-        return [self.runner.kv_cache[b.block_id].contiguous().numpy().tobytes()
-                for b in blocks]
+        return [base64.b64encode(self.runner.kv_cache[b.block_id].contiguous().numpy()
+                                 .tobytes()).decode() for b in blocks]
 
     def shutdown(self) -> None:
         if self.worker_connector is not None:

@@ -224,7 +224,7 @@ class AsyncLLM:
         self._raise_if_dead()
         return bool(await self.client.call_utility_async("reset_prefix_cache"))
 
-    async def debug_prompt_kv(self, prompt_token_ids: list[int]) -> list[bytes]:
+    async def debug_prompt_kv(self, prompt_token_ids: list[int]) -> list[str]:
         self._raise_if_dead()
         return list(await self.client.call_utility_async("debug_prompt_kv", prompt_token_ids))
 

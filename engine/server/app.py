@@ -9,7 +9,6 @@ shutdown of the real one.
 from __future__ import annotations
 
 import asyncio
-import base64
 import inspect
 import os
 from dataclasses import dataclass
@@ -146,8 +145,7 @@ def build_app(
         async def debug_prompt_kv(body: dict[str, Any]) -> dict[str, Any]:
             """Test-only (PDSERVE_DEBUG_ROUTES=1): the cached KV bytes of a prompt's blocks."""
             await engine_alive()
-            blocks = await engine.debug_prompt_kv(list(body["prompt_token_ids"]))
-            return {"blocks": [base64.b64encode(b).decode() for b in blocks]}
+            return {"blocks": await engine.debug_prompt_kv(list(body["prompt_token_ids"]))}
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -82,7 +82,8 @@ async def create_chat_completion(
             await merged.aclose()
             return Response(status_code=CLIENT_CLOSED)
         item, rest = first
-        return SSEResponse(_stream(ctx, body, rid, item, rest), headers=headers)
+        return SSEResponse(_stream(ctx, body, rid, item, rest), headers=headers,
+                           on_close=rest.aclose)
 
     async def collect() -> Any:
         final = None

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -40,7 +41,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL_DIR", help="local Hugging Face model directory")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or None,
+                        help="require 'Authorization: Bearer KEY' on /v1/* "
+                             "(default: $PDSERVE_API_KEY)")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16",
                                                           "float16"])

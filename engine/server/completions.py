@@ -78,7 +78,8 @@ async def create_completion(
             await merged.aclose()
             return Response(status_code=CLIENT_CLOSED)
         item, rest = first
-        return SSEResponse(_stream(ctx, body, rid, item, rest), headers=headers)
+        return SSEResponse(_stream(ctx, body, rid, item, rest), headers=headers,
+                           on_close=rest.aclose)
     gone, finals = await unless_disconnected(request, _collect(merged, len(prompts)))
     if gone:
         return Response(status_code=CLIENT_CLOSED)

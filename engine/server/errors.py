@@ -79,12 +79,21 @@ def error_response(
     )
 
 
+# Request fields an engine ValueError may start with ("max_tokens must be at least 1").
+_PARAMS = frozenset({
+    "prompt", "prompt_token_ids", "messages", "model", "n", "best_of", "temperature",
+    "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "max_tokens", "max_completion_tokens",
+    "min_tokens", "ignore_eos", "logprobs", "top_logprobs", "kv_transfer_params",
+    "request_id", "stream_options", "tokens",
+})
+
+
 def from_value_error(exc: ValueError) -> APIError:
-    """The engine's ValueErrors name the offending field first ("max_tokens must be ...")."""
+    """The engine's ValueErrors name the offending field first; it becomes `param`."""
     message = str(exc) or "invalid request"
-    first = message.split(" ", 1)[0].strip(":")
-    param = first if first.isidentifier() and first.islower() else None
-    return APIError(message, 400, param=param)
+    first = message.split(" ", 1)[0].strip(":,")
+    return APIError(message, 400, param=first if first in _PARAMS else None)
 
 
 def dead_engine_error(exc: BaseException | None = None) -> APIError:

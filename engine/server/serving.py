@@ -183,9 +183,11 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str], headers: dict[str, str] | None = None):
+    def __init__(self, content: AsyncIterator[str], headers: dict[str, str] | None = None,
+                 *, on_close: Callable[[], Awaitable[Any]] | None = None):
         base = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         super().__init__(content, headers={**base, **(headers or {})})
+        self._on_close = on_close  # runs even if the client left before the first byte
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stream_task = asyncio.ensure_future(self.stream_response(send))
@@ -197,11 +199,10 @@ class SSEResponse(StreamingResponse):
                 if not t.done():
                     t.cancel()
             await asyncio.gather(stream_task, watcher, return_exceptions=True)
-            closer: Callable[[], Awaitable[Any]] | None = getattr(
-                self.body_iterator, "aclose", None)
-            if closer is not None:
-                with contextlib.suppress(Exception):
-                    await closer()
+            for closer in (getattr(self.body_iterator, "aclose", None), self._on_close):
+                if closer is not None:
+                    with contextlib.suppress(Exception):
+                        await closer()
         if stream_task.done() and not stream_task.cancelled():
             exc = stream_task.exception()
             if exc is not None and not isinstance(exc, OSError):

@@ -188,6 +188,8 @@ def sample_random(
     if plain.numel():
         out[plain] = inverse_cdf_sample(logits[plain].softmax(dim=-1), u[plain])
     rows = truncated.nonzero().squeeze(1)
+    if not rows.numel():
+        return out
     all_rows = rows.numel() == n
     sub = (lambda t: t) if all_rows else (lambda t: t[rows])
     ids, ok = _sample_candidates(sub(logits), sub(k), sub(k_on), sub(p), sub(p_on), sub(u), width)

@@ -3,7 +3,8 @@
 The backends are fakes defined here (OpenAI-shaped answers, SSE and not) that record every leg
 they receive and whether it completed or was cancelled by the proxy closing the connection.
 A request body may steer a fake decode leg through the extra field `fake_hold`:
-"before" (hold before answering) or "after_first" (stream: hold after the first chunk),
+"before" (hold before answering), "after_first" (stream: hold after the first chunk) or
+"after_done" (stream: keep the body open after `data: [DONE]`),
 until the test sets the fake's gate. Prefill legs ignore it.
 """
 
@@ -31,7 +32,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from proxy.app import build_app
+from proxy.backends import BackendPool
 from proxy.config import ProxyConfig
+from proxy.legs import (
+    CHAT,
+    decode_leg_body,
+    prefill_leg_body,
+    pull_decode_params,
+    push_prefill_params,
+)
+from proxy.metrics import ProxyMetrics
+from proxy.relay import ends_with_done_event
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -165,7 +176,7 @@ class FakeBackend:
             return _err(f"{self.name} refuses this request", status)
         n = int(body.get("max_tokens") or 4)
         if body.get("stream"):
-            return StreamingResponse(self._sse(leg, n, chat, hold == "after_first"),
+            return StreamingResponse(self._sse(leg, n, chat, hold),
                                      media_type="text/event-stream")
         leg.finish("completed")
         text = "".join(f"tok{i} " for i in range(n))
@@ -181,10 +192,10 @@ class FakeBackend:
             out["kv_transfer_params"] = self.pull_params
         return JSONResponse(out)
 
-    async def _sse(self, leg: Leg, n: int, chat: bool, hold_after_first: bool):
+    async def _sse(self, leg: Leg, n: int, chat: bool, hold: str | None):
         try:
             for i in range(n):
-                if i == 1 and hold_after_first:
+                if i == 1 and hold == "after_first":
                     while not self.gate.is_set():
                         await asyncio.sleep(0.01)
                 finish = "length" if i == n - 1 else None
@@ -201,6 +212,8 @@ class FakeBackend:
                 leg.chunks_sent += 1
                 await asyncio.sleep(self.token_interval)
             yield "data: [DONE]\n\n"
+            while hold == "after_done" and not self.gate.is_set():
+                await asyncio.sleep(0.01)
             leg.finish("completed")
         finally:
             leg.finish("cancelled")
@@ -260,7 +273,19 @@ class Cluster:
         self.stack = stack
         self._ports = 5600
         self._servers: list[ServerThread] = []
+        self.fakes: list[FakeBackend] = []
+        self.proxies: list[Proxy] = []
         stack.callback(self._stop_all)
+
+    def assert_no_leg_left(self) -> None:
+        """Invariant: once every backend has answered, no lease is left outstanding."""
+        for fake in self.fakes:
+            fake.gate.set()
+        for proxy in self.proxies:
+            pools = (proxy.state.prefill, proxy.state.decode)
+            wait_until(lambda pools=pools: all(b.outstanding == 0 for pool in pools
+                                               for b in pool.backends),
+                       what=f"no outstanding legs on {proxy.url}")
 
     def _stop_all(self) -> None:
         for server in self._servers:  # all at once: each takes a tick of its loop to notice
@@ -276,6 +301,7 @@ class Cluster:
         self.stack.callback(fake.gate.set)  # release held legs before stopping
         fake.url = server.url
         fake.server = server
+        self.fakes.append(fake)
         return fake
 
     def proxy(self, prefills: list[FakeBackend], decodes: list[FakeBackend], **kw: Any) -> Proxy:
@@ -289,13 +315,16 @@ class Cluster:
         self._servers.append(server)
         client = httpx.Client(timeout=10)
         self.stack.callback(client.close)
-        return Proxy(server.url, app, client)
+        self.proxies.append(Proxy(server.url, app, client))
+        return self.proxies[-1]
 
 
 @pytest.fixture
 def cluster() -> Iterator[Cluster]:
     with contextlib.ExitStack() as stack:
-        yield Cluster(stack)
+        cluster = Cluster(stack)
+        yield cluster
+        cluster.assert_no_leg_left()
 
 
 def post(proxy: Proxy, body: dict[str, Any], path: str = "/v1/completions",
@@ -397,6 +426,17 @@ def test_stream_reaches_client_chunk_by_chunk_before_decode_finishes(cluster: Cl
     assert rest[-1] == "[DONE]"
     assert dleg.wait() == "completed"
     assert "pdserve:proxy_ttft_seconds_count 1.0" in proxy.metrics()
+
+
+def test_stream_ends_at_done_even_if_decode_keeps_its_body_open(cluster: Cluster) -> None:
+    p, d = cluster.fake("p"), cluster.fake("d")
+    proxy = cluster.proxy([p], [d])
+    resp = post(proxy, dict(BODY, stream=True, fake_hold="after_done"))
+    assert resp.status_code == 200 and sse_events(resp.text.splitlines())[-1] == "[DONE]"
+    assert d.legs[0].wait(10) == "cancelled"  # closed by the proxy after a short drain
+    metrics = proxy.metrics()
+    assert 'pdserve:proxy_stream_aborts_total{reason="client_disconnect"}' not in metrics
+    assert "pdserve:proxy_e2e_request_latency_seconds_count 1.0" in metrics
 
 
 # ---- choice and health ----------------------------------------------------------------------
@@ -614,8 +654,6 @@ def test_client_disconnect_cancels_both_legs(cluster: Cluster, hold: str) -> Non
     # the client has gone
     assert p.legs[0].wait() == "cancelled"
     assert d.legs[0].wait() == "cancelled"
-    wait_until(lambda: all(b.outstanding == 0 for b in proxy.state.decode.backends
-                           + proxy.state.prefill.backends), what="outstanding back to 0")
 
 
 def test_request_timeout_bounds_a_hung_request(cluster: Cluster) -> None:
@@ -725,3 +763,59 @@ def test_cli_rejects_bad_arguments() -> None:
            "http://127.0.0.1:1"]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "http://host:port" in out.stderr
+
+
+# ---- pure parts -----------------------------------------------------------------------------
+
+
+def test_config_rejects_what_cannot_work() -> None:
+    ok = {"prefill_urls": ("http://a:1",), "decode_urls": ("http://b:2/",)}
+    assert ProxyConfig(**ok).decode_urls == ("http://b:2",)
+    for bad in ({"prefill_urls": ()}, {"decode_urls": ("b:2",)}, {"mode": "both"},
+                {"p_failure_policy": "retry"}, {"request_timeout": 0},
+                {"prefill_urls": ("http://a:1", "http://a:1/")}):
+        with pytest.raises(ValueError):
+            ProxyConfig(**{**ok, **bad})
+
+
+def test_prefill_leg_body_cuts_the_request_down_without_touching_it() -> None:
+    body = {"model": MODEL, "messages": [], "max_tokens": 50, "stream": True, "n": 2,
+            "stream_options": {"include_usage": True}, "min_tokens": 5,
+            "kv_transfer_params": {"client": "junk"}}
+    original = json.loads(json.dumps(body))
+    leg = prefill_leg_body(body, CHAT, push_prefill_params("t1"))
+    assert body == original
+    assert leg == {"model": MODEL, "messages": [], "max_tokens": 1, "max_completion_tokens": 1,
+                   "stream": False, "n": 1,
+                   "kv_transfer_params": {"do_remote_decode": True, "transfer_id": "t1"}}
+    assert "kv_transfer_params" not in decode_leg_body(body, None)
+    assert pull_decode_params({"kv_transfer_params": {"remote_block_ids": [1]}}) == {
+        "remote_block_ids": [1], "do_remote_prefill": True}
+    assert pull_decode_params({"kv_transfer_params": None}) is None
+
+
+def test_pool_prefers_fewest_outstanding_then_round_robin() -> None:
+    pool = BackendPool("decode", ["http://a:1", "http://b:2", "http://c:3"], ProxyMetrics())
+    for b in pool.backends:
+        pool.set_health(b, True)
+    first = [pool.choose() for _ in range(3)]
+    assert [lease.url for lease in first] == ["http://a:1", "http://b:2", "http://c:3"]
+    first[1].release()
+    first[1].release()  # idempotent
+    assert pool.choose().url == "http://b:2"  # the only one with fewer legs
+    pool.set_health(pool.backends[0], False, "test")
+    assert {pool.choose().url for _ in range(4)} == {"http://b:2", "http://c:3"}
+    assert pool.choose(exclude=pool.backends[1:]) is None
+
+
+@pytest.mark.parametrize("chunks,done", [
+    ([b'data: {"x": 1}\n\n', b"data: [DONE]\n\n"], True),
+    ([b"data: [DO", b"NE]\n", b"\n"], True),
+    ([b"data: [DONE]\n"], False),
+    ([b'data: {"text": "data: [DONE]"}\n\n'], False),
+])
+def test_done_event_is_found_across_chunk_boundaries(chunks: list[bytes], done: bool) -> None:
+    tail = b""
+    for chunk in chunks:
+        tail = (tail + chunk)[-32:]
+    assert ends_with_done_event(tail) is done
