@@ -5,8 +5,10 @@
   - watches the P leg, if still running, for a verdict that ends the stream
     (P's 4xx, or any P failure under --p-failure-policy cancel),
   - enforces the request deadline.
-A failure after the first byte is reported in-band for SSE (an OpenAI error event, then
-`[DONE]`) and by closing the connection otherwise. On every path D's response is closed
+An SSE answer is complete for the client at D's `data: [DONE]` event (D's body end is then
+drained briefly, so a client hanging up at [DONE] is no disconnect). A failure after the first
+byte is reported in-band for SSE (an OpenAI error event, then `[DONE]`) and by closing the
+connection otherwise. On every path D's response is closed
 (which aborts D's request) and `on_close(reason)` is called exactly once.
 """
 
@@ -45,7 +47,8 @@ def ends_with_done_event(tail: bytes) -> bool:
     """Whether an SSE byte stream ends with the complete `data: [DONE]` event."""
     if not (tail.endswith(b"\n\n") or tail.endswith(b"\r\n\r\n")):
         return False
-    return tail.rstrip(b"\r\n").endswith(_DONE)
+    event = tail.rstrip(b"\r\n")
+    return event == _DONE or event.endswith(b"\n" + _DONE)
 
 
 class _Abort(Exception):

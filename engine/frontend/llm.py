@@ -18,7 +18,9 @@ PromptType = str | dict[str, Any] | list[int]
 
 
 class LLM:
-    def __init__(self, model: str, *, multiprocess: bool = False, **engine_args: Any) -> None:
+    def __init__(self, model: str, *, multiprocess: bool = True, **engine_args: Any) -> None:
+        """`multiprocess=True` (default) runs the EngineCore in its own process behind the
+        ZeroMQ client, as the servers do; False keeps it on this thread (no spawn cost)."""
         self.config = EngineConfig.from_kwargs(model, **engine_args)
         self.engine = LLMEngine(self.config, multiprocess=multiprocess)
         self._counter = itertools.count()

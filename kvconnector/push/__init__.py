@@ -1,0 +1,27 @@
+"""Push mode: D registers preallocated blocks with P; P WRITEs its prefill KV into them.
+
+Modules:
+- scheduler.py  PushScheduler — scheduler half (engine-core thread). D: asks for every
+                prompt token it lacks (async), stages a `Registration`, arms the watchdog
+                (`push_registration_timeout`), reports `watchdog_expired`. P: on finish of a
+                `do_remote_decode` request keeps the blocks (delay-free) and stages
+                `FinishedBlocks`; an aborted one becomes `aborted`. Every remote request's
+                blocks (P and D) are freed only when the worker reports the id in
+                `finished_sending` — only the worker knows when no WRITE can touch them.
+- meta.py       PushMeta — what the scheduler half hands the worker each step.
+- connector.py  PushWorker — worker half: NIXL transport, side channel, writer thread.
+- writer.py     the `nixl-push-writer` thread: wakes on its event, drains the inbox,
+                dispatches inbound notifications, polls Sender and Receiver, publishes
+                finished/failed ids. Polls every 1 ms only while work is outstanding.
+- sender.py     P side: matching tables (transfer_id, exact id, base id), leases extended by
+                HB, WRITE posting with completion `<D id>:<tp>`, PUSH_FAIL when P will not
+                write, PUSH_CANCEL handling (ACK only once no WRITE can land), tombstones
+                for transfers P gave up on (a late PUSH_REG gets PUSH_FAIL), ttl guard (no
+                WRITE for a registration older than `push_registration_timeout`).
+- receiver.py   D side: handshake then PUSH_REG, heartbeats while queued or waiting,
+                completion → finished_recving, PUSH_FAIL / watchdog / dead P →
+                failed_recving (the scheduler applies `kv_load_failure_policy`),
+                quarantine after PUSH_CANCEL until ACK or `2 * ttl + grace` since sending.
+- peers.py      side-channel handshakes on an executor, applied on the writer thread;
+                liveness probes.
+"""

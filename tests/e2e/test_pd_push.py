@@ -12,7 +12,7 @@ import numpy as np
 import openai
 import psutil
 import pytest
-from pd_harness import assert_no_leaks, deployment, engine_stats, metric
+from pd_harness import assert_no_leaks, deployment, metric
 
 from engine import LLM, SamplingParams
 
@@ -27,7 +27,7 @@ def _prompts(n: int, seed: int, lo: int = 40, hi: int = 300) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model: str):
-    llm = LLM(tiny_model, num_kv_blocks=1024, max_model_len=1024)
+    llm = LLM(tiny_model, num_kv_blocks=1024, max_model_len=1024, multiprocess=False)
 
     def run(prompts: list[list[int]]) -> list[list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

@@ -62,7 +62,7 @@ def test_greedy_matches_transformers_batched_chunked_and_prefix_cached(
     tiny_models: dict[str, str], arch: str
 ) -> None:
     model = tiny_models[arch]
-    llm = LLM(model, num_kv_blocks=512)
+    llm = LLM(model, num_kv_blocks=512, multiprocess=False)
     tok = llm.get_tokenizer()
     prompts = _prompts(tok.vocab_size, set(tok.all_special_ids))
     ref = hf_greedy(model, prompts, MAX_TOKENS)
@@ -81,14 +81,15 @@ def test_greedy_matches_transformers_batched_chunked_and_prefix_cached(
     llm.shutdown()
 
     # A small token budget forces chunked prefill mixed with decodes.
-    chunked = LLM(model, num_kv_blocks=512, max_num_batched_tokens=48, max_num_seqs=8)
+    chunked = LLM(model, num_kv_blocks=512, max_num_batched_tokens=48, max_num_seqs=8,
+                  multiprocess=False)
     _assert_same(_ours(chunked, prompts), ref)
     _assert_no_leak(chunked)
     chunked.shutdown()
 
 
 def test_preemption_gives_the_same_tokens(tiny_model: str) -> None:
-    llm = LLM(tiny_model, num_kv_blocks=512)
+    llm = LLM(tiny_model, num_kv_blocks=512, multiprocess=False)
     tok = llm.get_tokenizer()
     prompts = _prompts(tok.vocab_size, set(tok.all_special_ids))[8:16]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -104,7 +105,7 @@ def test_preemption_gives_the_same_tokens(tiny_model: str) -> None:
 
 
 def test_seeded_sampling_is_independent_of_the_batch(tiny_model: str) -> None:
-    llm = LLM(tiny_model, num_kv_blocks=256)
+    llm = LLM(tiny_model, num_kv_blocks=256, multiprocess=False)
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16,
                             ignore_eos=True)
     noise = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)

@@ -812,6 +812,8 @@ def test_pool_prefers_fewest_outstanding_then_round_robin() -> None:
     ([b'data: {"x": 1}\n\n', b"data: [DONE]\n\n"], True),
     ([b"data: [DO", b"NE]\n", b"\n"], True),
     ([b"data: [DONE]\n"], False),
+    ([b"data: x", b"data: [DONE]\n\n"], False),
+    ([b"data: x\r\n\r\ndata: [DONE]\r\n\r\n"], True),
     ([b'data: {"text": "data: [DONE]"}\n\n'], False),
 ])
 def test_done_event_is_found_across_chunk_boundaries(chunks: list[bytes], done: bool) -> None:

@@ -369,9 +369,9 @@ def _engine_core(server: ServerProcess) -> psutil.Process:
 class _Stream(threading.Thread):
     """One streaming request on its own thread; records what came and when it ended."""
 
-    def __init__(self, url: str, max_tokens: int, headers: dict | None = None) -> None:
+    def __init__(self, url: str, max_tokens: int, stream: bool = True) -> None:
         super().__init__(daemon=True, name=f"stream-{max_tokens}")
-        self.url, self.max_tokens, self.headers = url, max_tokens, headers or {}
+        self.url, self.max_tokens, self.stream = url, max_tokens, stream
         self.events: list[str] = []
         self.first = threading.Event()
         self.ended_at: float | None = None
@@ -380,11 +380,17 @@ class _Stream(threading.Thread):
 
     def run(self) -> None:
         body = {"model": MODEL, "prompt": "tell me", "max_tokens": self.max_tokens,
-                "stream": True, "ignore_eos": True,
-                "stream_options": {"include_usage": True}}
+                "stream": self.stream, "ignore_eos": True}
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
         try:
+            if not self.stream:
+                self.first.set()
+                r = httpx.post(self.url + "/v1/completions", json=body, timeout=120)
+                self.status, self.events = r.status_code, [r.text]
+                return
             with httpx.stream("POST", self.url + "/v1/completions", json=body,
-                              headers=self.headers, timeout=120) as r:
+                              timeout=120) as r:
                 self.status = r.status_code
                 for line in r.iter_lines():
                     if line.startswith("data: "):
@@ -410,9 +416,15 @@ def test_engine_death_fails_open_requests_fast(servers):
         s.start()
     for s in streams:
         assert s.first.wait(120) and s.status == 200 and s.events
+    waiting = _Stream(server.url, 400, stream=False)  # a non-streaming request in flight too
+    waiting.start()
+    time.sleep(0.5)
     core = _engine_core(server)
     core.send_signal(signal.SIGKILL)
     killed = time.monotonic()
+    waiting.join(10)
+    assert waiting.ended_at is not None and waiting.ended_at - killed < 2.0
+    assert waiting.status == 503 and json.loads(waiting.events[0])["error"]["code"] == "engine_dead"
     for s in streams:
         s.join(10)
         assert s.ended_at is not None and s.ended_at - killed < 2.0
