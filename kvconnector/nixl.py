@@ -262,9 +262,8 @@ class NixlTransport:
                                 count_runs(local, remote), now, None)
             notif = self._completion_notif(notif, handle, now)
             try:
-                import os
                 xfer = self._agent.make_prepped_xfer(op, self._local_dlist, local.astype(np.int32),
-                                                     peer.dlist, remote.astype(np.int32), notif, skip_desc_merge=bool(os.environ.get('SKIPMERGE')))
+                                                     peer.dlist, remote.astype(np.int32), notif)
             except Exception as e:
                 raise TransferError(f"{op} to {peer_name}: cannot create transfer: {e}") from e
             handle._nixl = xfer
