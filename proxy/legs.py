@@ -53,12 +53,16 @@ def pull_prefill_params() -> dict[str, Any]:
 
 
 def pull_decode_params(p_response: Any) -> dict[str, Any] | None:
-    """P's `kv_transfer_params` (verbatim) plus do_remote_prefill; None if P sent none."""
+    """P's `kv_transfer_params` (verbatim) plus do_remote_prefill; None if P sent none.
+
+    A `do_remote_decode` echoed by P is dropped: it describes P's leg, and a D leg carrying
+    both flags is invalid."""
     if not isinstance(p_response, dict):
         return None
     params = p_response.get("kv_transfer_params")
     if not isinstance(params, dict) or not params:
         return None
+    params = {k: v for k, v in params.items() if k != "do_remote_decode"}
     return {**params, "do_remote_prefill": True}
 
 

@@ -50,8 +50,14 @@ class ParentRequest:
         p = self.params
         seed = None if p.seed is None else p.seed + index
         params = msgspec.structs.replace(p, n=1, seed=seed)
+        kv = self.request.kv_transfer_params
+        if index > 0 and kv and kv.get("do_remote_prefill"):
+            # One prefill leg serves one sequence: only child 0 receives P's KV; the
+            # others prefill locally rather than wait on a transfer that never comes.
+            kv = None
         return msgspec.structs.replace(
-            self.request, request_id=self.child_ids[index], sampling_params=params
+            self.request, request_id=self.child_ids[index], sampling_params=params,
+            kv_transfer_params=kv,
         )
 
     @property

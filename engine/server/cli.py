@@ -208,10 +208,14 @@ async def _serve(config: EngineConfig, settings: ServerSettings,
                         settings=settings, metrics=metrics)
         server = DrainingServer(app, host=args.host, port=args.port,
                                 drain_timeout=args.drain_timeout, log_level=args.log_level,
-                                access_log=args.access_log)
+                                access_log=args.access_log,
+                                on_drain_deadline=app.state.ctx.abort_all)
         logger.info("serving %s on http://%s:%d", config.model_name, args.host,
                     sock.getsockname()[1])
         await server.serve(sockets=[sock])
+        # Requests cancelled by the drain backstop queued their aborts; let them reach the
+        # core before it is told to stop (it would otherwise wait for them).
+        await asyncio.sleep(0.1)
         return 0 if server.started else 1
     finally:
         sock.close()

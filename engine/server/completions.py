@@ -44,6 +44,15 @@ from engine.server.serving import (
 CLIENT_CLOSED = 499
 
 
+def _per_prompt_kv(kv: Any, index: int, num_prompts: int) -> Any:
+    """Each prompt of a list is its own transfer: P and D derive the same transfer_id for
+    prompt i, so a registration can never be paired with another prompt's blocks."""
+    if num_prompts == 1 or not isinstance(kv, dict) or not isinstance(
+            kv.get("transfer_id"), str):
+        return kv
+    return {**kv, "transfer_id": f"{kv['transfer_id']}#{index}"}
+
+
 def _engine_prompt(p: str | list[int]) -> Any:
     return p if isinstance(p, str) else {"prompt_token_ids": p}
 
@@ -67,8 +76,9 @@ async def create_completion(
     rid = make_request_id(request, "cmpl")
     ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
     streams = [
-        engine_stream(ctx, _engine_prompt(p), params, i, body.kv_transfer_params)
-        for p, i in zip(prompts, ids, strict=True)
+        engine_stream(ctx, _engine_prompt(p), params, i,
+                      _per_prompt_kv(body.kv_transfer_params, index, len(prompts)))
+        for index, (p, i) in enumerate(zip(prompts, ids, strict=True))
     ]
     merged = merge_streams(streams)
     headers = {"X-Request-Id": rid}

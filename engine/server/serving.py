@@ -42,7 +42,19 @@ class ServingContext:
     max_model_len: int | None
     tokenizer: Any
     metrics: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    active: set[str] = field(default_factory=set)  # engine request ids in flight
+
+    def abort_all(self) -> int:
+        """Abort every request in flight (drain deadline): each ends with finish_reason
+        "abort", so streams still close with [DONE]. Returns how many were aborted."""
+        ids = list(self.active)
+        for rid in ids:
+            with contextlib.suppress(Exception):
+                self.engine.abort(rid)
+        if ids:
+            logger.warning("drain deadline: aborted %d request(s) still running: %s",
+                           len(ids), ", ".join(ids[:8]))
+        return len(ids)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.accepted_names:
@@ -67,6 +79,7 @@ async def engine_stream(
 ) -> AsyncIterator[Any]:
     """The engine's outputs for one prompt, errors translated to APIError."""
     finished = False
+    ctx.active.add(request_id)
     try:
         gen = ctx.engine.generate(prompt, params, request_id,
                                   kv_transfer_params=kv_transfer_params)
@@ -78,6 +91,7 @@ async def engine_stream(
     except EngineDeadError as exc:
         raise dead_engine_error(exc) from exc
     finally:
+        ctx.active.discard(request_id)
         if not finished:
             with contextlib.suppress(Exception):
                 ctx.engine.abort(request_id)

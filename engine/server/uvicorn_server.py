@@ -1,6 +1,8 @@
 """uvicorn with draining: on SIGTERM/SIGINT the app is told to refuse new requests (503) at
-once, uvicorn stops accepting connections and waits up to `drain_timeout` for in-flight
-requests, then cancels what is left.
+once and uvicorn stops accepting connections. In-flight requests get `drain_timeout` seconds:
+shortly before it, `on_drain_deadline` runs (the server aborts what is still running, so those
+requests end cleanly with finish_reason "abort"); at the timeout uvicorn cancels whatever is
+left as a backstop.
 
 uvicorn re-raises a captured signal after serving, which would kill the process before the
 caller shuts the engine down; this server does not, so the caller's `finally` always runs.
@@ -8,10 +10,12 @@ caller shuts the engine down; this server does not, so the caller's `finally` al
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
+import socket
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from types import FrameType
 from typing import Any
 
@@ -22,7 +26,8 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 class DrainingServer(uvicorn.Server):
     def __init__(self, app: Any, *, host: str, port: int, drain_timeout: float,
-                 log_level: str = "info", access_log: bool = False) -> None:
+                 log_level: str = "info", access_log: bool = False,
+                 on_drain_deadline: Callable[[], Any] | None = None) -> None:
         config = uvicorn.Config(
             app, host=host, port=port, lifespan="off", log_level=log_level,
             access_log=access_log, timeout_graceful_shutdown=drain_timeout,
@@ -30,6 +35,21 @@ class DrainingServer(uvicorn.Server):
         )
         super().__init__(config)
         self._app = app
+        self._drain_timeout = drain_timeout
+        self._on_drain_deadline = on_drain_deadline
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._app.state.draining = True
+        timer = None
+        if self._on_drain_deadline is not None:
+            early = self._drain_timeout - min(1.0, self._drain_timeout / 4)
+            timer = asyncio.get_running_loop().call_later(max(0.0, early),
+                                                          self._on_drain_deadline)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     def begin_drain(self) -> None:
         self._app.state.draining = True

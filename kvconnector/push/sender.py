@@ -158,14 +158,16 @@ class Sender:
                 or wire.base_request_id(fb.request_id) == wire.base_request_id(reg.request_id))
 
     def _find_reg(self, fb: FinishedBlocks) -> str | None:
+        taken = {d for _, d in self.ready}
+        free = {rid: p for rid, p in self.regs.items() if rid not in taken}
         if fb.transfer_id:
-            for rid, p in self.regs.items():
+            for rid, p in free.items():
                 if p.reg.transfer_id == fb.transfer_id:
                     return rid
-        if fb.request_id in self.regs:
+        if fb.request_id in free:
             return fb.request_id
         base = wire.base_request_id(fb.request_id)
-        for rid in self.regs:
+        for rid in free:
             if wire.base_request_id(rid) == base:
                 return rid
         return None

@@ -206,3 +206,17 @@ def test_idle_engines_use_almost_no_cpu(pd):
         a = p.cpu_times()
         used = (a.user + a.system) - (b.user + b.system)
         assert used / 5.0 < 0.02, f"pid {p.pid} {p.cmdline()[:3]} used {used / 5.0:.1%}"
+
+
+def test_prompt_list_and_n_share_one_transfer_id_safely(pd, reference, tiny_model):
+    """One client request fanning out (two prompts, n=2) pairs every prompt with its own
+    KV: per-prompt transfer ids on both legs; children beyond the first prefill on D."""
+    prompts = _prompts(2, seed=51, lo=48, hi=48)  # same length: a mix-up would not be caught
+    client = openai.OpenAI(base_url=f"{pd.proxy.url}/v1", api_key="x", max_retries=0,
+                           timeout=120)
+    r = client.completions.create(model="m", prompt=prompts, n=2, max_tokens=MAX_TOKENS,
+                                  temperature=0.0)
+    expected = _detok(tiny_model, reference(prompts))
+    by_prompt = sorted(r.choices, key=lambda c: c.index)
+    assert [c.text for c in by_prompt] == [expected[0], expected[0], expected[1], expected[1]]
+    assert_no_leaks(pd.engines)

@@ -792,6 +792,8 @@ def test_prefill_leg_body_cuts_the_request_down_without_touching_it() -> None:
     assert pull_decode_params({"kv_transfer_params": {"remote_block_ids": [1]}}) == {
         "remote_block_ids": [1], "do_remote_prefill": True}
     assert pull_decode_params({"kv_transfer_params": None}) is None
+    assert pull_decode_params({"kv_transfer_params": {"do_remote_decode": True, "x": 1}}) == {
+        "x": 1, "do_remote_prefill": True}
 
 
 def test_pool_prefers_fewest_outstanding_then_round_robin() -> None:
