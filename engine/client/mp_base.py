@@ -68,14 +68,17 @@ class MPClientBase(EngineCoreClient):
     # -- shared helpers -------------------------------------------------------------------
     @property
     def is_dead(self) -> bool:
-        return self._dead is not None
+        return self.dead_error is not None
 
     @property
     def dead_error(self) -> EngineDeadError | None:
+        # The process watcher notices a silent death even before any reader has run.
+        if self._dead is None and self._exited.is_set():
+            self._dead = EngineDeadError(self._exit_reason())
         return self._dead
 
     def _ensure_alive(self) -> None:
-        if self._dead is not None:
+        if self.dead_error is not None:
             raise EngineDeadError(str(self._dead))
 
     def _exit_reason(self) -> str:

@@ -34,23 +34,40 @@ class SeqSpan:
 
 
 class AttentionMetadata:
-    """Per-step metadata, built once by the model runner and shared by every layer."""
+    """Per-step metadata, built once by the model runner and shared by every layer.
 
-    def __init__(self, spans: list[SeqSpan], block_size: int, device: torch.device) -> None:
+    The cache is addressed as rows of `kv_heads * head_dim` values: row
+    ((block * L + layer) * 2 + kv) * bs + offset. Row indices are computed once per step
+    for layer 0 and shifted by `layer * 2 * bs` per layer, so each layer does one
+    index_copy_ to write and one index_select per K and V to read.
+    """
+
+    def __init__(self, spans: list[SeqSpan], block_size: int, num_layers: int,
+                 device: torch.device) -> None:
         self.spans = spans
         self.block_size = block_size
-        blocks, offsets = [], []
+        self.layer_stride = 2 * block_size  # rows between layer l and l + 1 of a block
+        self.block_stride = num_layers * 2 * block_size  # rows between blocks
+        rows = []
         for s in spans:
             start = s.ctx_len - s.q_len
             for pos in range(start, s.ctx_len):
-                blocks.append(s.block_ids[pos // block_size])
-                offsets.append(pos % block_size)
-        self.slot_blocks = torch.tensor(blocks, dtype=torch.long, device=device)
-        self.slot_offsets = torch.tensor(offsets, dtype=torch.long, device=device)
+                rows.append(s.block_ids[pos // block_size] * self.block_stride
+                            + pos % block_size)
+        self.write_rows = torch.tensor(rows, dtype=torch.long, device=device)
         # Decodes (q_len == 1) are batched into one padded attention call.
         self.decode_spans = [s for s in spans if s.q_len == 1]
         self.prefill_spans = [s for s in spans if s.q_len > 1]
         self._build_decode_tables(device)
+
+    def context_rows(self, block_ids: list[int], ctx_len: int, device: torch.device
+                     ) -> torch.Tensor:
+        """Layer-0 K rows of the first ctx_len positions of a sequence."""
+        bs = self.block_size
+        n = (ctx_len + bs - 1) // bs
+        blocks = torch.tensor(block_ids[:n], dtype=torch.long, device=device)
+        rows = blocks[:, None] * self.block_stride + torch.arange(bs, device=device)
+        return rows.reshape(-1)[:ctx_len]
 
     def _build_decode_tables(self, device: torch.device) -> None:
         spans = self.decode_spans
@@ -62,7 +79,10 @@ class AttentionMetadata:
         for i, s in enumerate(spans):
             n = (s.ctx_len + bs - 1) // bs
             table[i, :n] = torch.tensor(s.block_ids[:n], dtype=torch.long)
-        self.decode_table = table.to(device)
+        table = table.to(device)
+        rows = table[:, :, None] * self.block_stride + torch.arange(bs, device=device)
+        self.decode_read_rows = rows.reshape(-1)  # [B * max_blocks * bs], layer-0 K rows
+        self.decode_shape = (len(spans), max_blocks * bs)
         ctx = torch.tensor([s.ctx_len for s in spans], device=device)
         keys = torch.arange(max_blocks * bs, device=device)
         # [B, 1, 1, S]: True where the key is inside the sequence's context.
@@ -75,23 +95,34 @@ class PagedAttention:
 
     def __init__(self, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
         self.kv_cache = kv_cache
+        self.rows = kv_cache.view(-1, kv_cache.shape[-2] * kv_cache.shape[-1])
+        self.kv_heads, self.head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
         self.meta = meta
         self.scale = scale
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                  ) -> torch.Tensor:
         m = self.meta
-        cache = self.kv_cache
-        cache[m.slot_blocks, layer, 0, m.slot_offsets] = k.to(cache.dtype)
-        cache[m.slot_blocks, layer, 1, m.slot_offsets] = v.to(cache.dtype)
+        base = layer * m.layer_stride
+        write = m.write_rows + base
+        t = k.shape[0]
+        self.rows.index_copy_(0, torch.cat((write, write + m.block_size)),
+                              torch.cat((k.reshape(t, -1), v.reshape(t, -1))).to(
+                                  self.rows.dtype))
         out = torch.empty_like(q)
         for s in m.prefill_spans:
-            out[s.q_start:s.q_start + s.q_len] = self._prefill(layer, s, q, k, v)
+            out[s.q_start:s.q_start + s.q_len] = self._prefill(base, s, q, k, v)
         if m.decode_spans:
-            out[m.decode_rows] = self._decode(layer, q[m.decode_rows])
+            out[m.decode_rows] = self._decode(base, q[m.decode_rows])
         return out
 
-    def _prefill(self, layer: int, s: SeqSpan, q: torch.Tensor, k: torch.Tensor,
+    def _read(self, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (*rows.shape, self.kv_heads, self.head_dim)
+        k = self.rows.index_select(0, rows.reshape(-1)).view(shape).to(dtype)
+        v = self.rows.index_select(0, rows.reshape(-1) + self.meta.block_size).view(shape)
+        return k, v.to(dtype)
+
+    def _prefill(self, base: int, s: SeqSpan, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:
         rows = slice(s.q_start, s.q_start + s.q_len)
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
@@ -101,33 +132,23 @@ class PagedAttention:
             ks, vs = k[rows], v[rows]
             mask, causal = None, True
         else:
-            ks, vs = self._gather(layer, s.block_ids, s.ctx_len)
+            ctx_rows = self.meta.context_rows(s.block_ids, s.ctx_len, q.device) + base
+            ks, vs = self._read(ctx_rows, q.dtype)
             qpos = torch.arange(start, s.ctx_len, device=q.device)
             kpos = torch.arange(s.ctx_len, device=q.device)
             mask, causal = (kpos[None, :] <= qpos[:, None]), False
         o = F.scaled_dot_product_attention(
-            qs, ks.transpose(0, 1).unsqueeze(0).to(q.dtype),
-            vs.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
             attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True,
         )
         return o.squeeze(0).transpose(0, 1)
 
-    def _gather(self, layer: int, block_ids: list[int], ctx_len: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        bs = self.meta.block_size
-        n = (ctx_len + bs - 1) // bs
-        idx = torch.tensor(block_ids[:n], dtype=torch.long, device=self.kv_cache.device)
-        kv = self.kv_cache[idx, layer]  # [n, 2, bs, KV, D]
-        kv = kv.transpose(0, 1).reshape(2, n * bs, *kv.shape[-2:])[:, :ctx_len]
-        return kv[0], kv[1]
-
-    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def _decode(self, base: int, q: torch.Tensor) -> torch.Tensor:
         m = self.meta
-        kv = self.kv_cache[m.decode_table, layer]  # [B, nb, 2, bs, KV, D]
-        b, nb, _, bs, nkv, d = kv.shape
-        kv = kv.permute(2, 0, 4, 1, 3, 5).reshape(2, b, nkv, nb * bs, d).to(q.dtype)
+        b, s = m.decode_shape
+        k, v = self._read((m.decode_read_rows + base).view(b, s), q.dtype)  # [B, S, KV, D]
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), kv[0], kv[1], attn_mask=m.decode_mask, scale=self.scale,
-            enable_gqa=True,
+            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=m.decode_mask,
+            scale=self.scale, enable_gqa=True,
         )  # [B, H, 1, D]
         return o.squeeze(2)

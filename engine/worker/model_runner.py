@@ -128,7 +128,7 @@ class ModelRunner:
             if state.num_computed_tokens == len(state.token_ids):
                 sample_rows.append(len(tokens) - 1)
                 sampling.append(state)
-        meta = AttentionMetadata(spans, self.block_size, self.device)
+        meta = AttentionMetadata(spans, self.block_size, self.arch.num_layers, self.device)
         attn = PagedAttention(self.kv_cache, meta, self.scale)
         hidden = self.model(
             torch.tensor(tokens, dtype=torch.long, device=self.device),

@@ -26,7 +26,7 @@ MODEL = "tiny"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_MODEL_LEN = 512
 BODY_LIMIT = 65536
-DRAIN_TIMEOUT = 10.0
+DRAIN_TIMEOUT = 6.0
 COMMON = ["--served-model-name", MODEL, "--num-kv-blocks", "512",
           "--max-model-len", str(MAX_MODEL_LEN)]
 
@@ -162,6 +162,11 @@ def test_n2_and_seeded_sampling_is_reproducible(client):
     assert a.usage.completion_tokens == 16
     other = [client.completions.create(**{**kw, "seed": s}).choices[0].text for s in (1, 2, 3)]
     assert any(t != a.choices[0].text for t in other)  # the seed really steers sampling
+    texts = {0: "", 1: ""}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert [texts[0], texts[1]] == [c.text for c in sorted(a.choices, key=lambda c: c.index)]
 
 
 def test_stop_string_cuts_the_text(client):
