@@ -36,10 +36,11 @@ class SeqSpan:
 class AttentionMetadata:
     """Per-step metadata, built once by the model runner and shared by every layer.
 
-    The cache is addressed as rows of `kv_heads * head_dim` values: row
-    ((block * L + layer) * 2 + kv) * bs + offset. Row indices are computed once per step
-    for layer 0 and shifted by `layer * 2 * bs` per layer, so each layer does one
-    index_copy_ to write and one index_select per K and V to read.
+    Writes address the cache as rows of `kv_heads * head_dim` values: row
+    ((block * L + layer) * 2 + kv) * bs + offset; reads copy whole chunks of `bs` rows
+    (chunk (block * L + layer) * 2 + kv), which is about twice as fast as gathering rows.
+    Indices are computed once per step for layer 0 and shifted per layer, so each layer does
+    one index_copy_ to write and one index_select per K and V to read.
     """
 
     def __init__(self, spans: list[SeqSpan], block_size: int, num_layers: int,
@@ -48,6 +49,7 @@ class AttentionMetadata:
         self.block_size = block_size
         self.layer_stride = 2 * block_size  # rows between layer l and l + 1 of a block
         self.block_stride = num_layers * 2 * block_size  # rows between blocks
+        self.chunks_per_block = num_layers * 2  # reads copy whole chunks of bs rows
         rows = []
         for s in spans:
             start = s.ctx_len - s.q_len
@@ -60,14 +62,13 @@ class AttentionMetadata:
         self.prefill_spans = [s for s in spans if s.q_len > 1]
         self._build_decode_tables(device)
 
-    def context_rows(self, block_ids: list[int], ctx_len: int, device: torch.device
-                     ) -> torch.Tensor:
-        """Layer-0 K rows of the first ctx_len positions of a sequence."""
-        bs = self.block_size
-        n = (ctx_len + bs - 1) // bs
+    def context_chunks(self, block_ids: list[int], ctx_len: int, device: torch.device
+                       ) -> torch.Tensor:
+        """Layer-0 K chunks (a chunk = one block's rows of one layer, K or V) holding the
+        first ctx_len positions of a sequence."""
+        n = (ctx_len + self.block_size - 1) // self.block_size
         blocks = torch.tensor(block_ids[:n], dtype=torch.long, device=device)
-        rows = blocks[:, None] * self.block_stride + torch.arange(bs, device=device)
-        return rows.reshape(-1)[:ctx_len]
+        return blocks * self.chunks_per_block
 
     def _build_decode_tables(self, device: torch.device) -> None:
         spans = self.decode_spans
@@ -79,9 +80,7 @@ class AttentionMetadata:
         for i, s in enumerate(spans):
             n = (s.ctx_len + bs - 1) // bs
             table[i, :n] = torch.tensor(s.block_ids[:n], dtype=torch.long)
-        table = table.to(device)
-        rows = table[:, :, None] * self.block_stride + torch.arange(bs, device=device)
-        self.decode_read_rows = rows.reshape(-1)  # [B * max_blocks * bs], layer-0 K rows
+        self.decode_chunks = table.to(device) * self.chunks_per_block  # layer-0 K chunks
         self.decode_shape = (len(spans), max_blocks * bs)
         ctx = torch.tensor([s.ctx_len for s in spans], device=device)
         keys = torch.arange(max_blocks * bs, device=device)
@@ -96,6 +95,7 @@ class PagedAttention:
     def __init__(self, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
         self.kv_cache = kv_cache
         self.rows = kv_cache.view(-1, kv_cache.shape[-2] * kv_cache.shape[-1])
+        self.chunks = kv_cache.view(-1, kv_cache[0, 0, 0].numel())
         self.kv_heads, self.head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
         self.meta = meta
         self.scale = scale
@@ -103,26 +103,28 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                  ) -> torch.Tensor:
         m = self.meta
-        base = layer * m.layer_stride
-        write = m.write_rows + base
+        write = m.write_rows + layer * m.layer_stride
         t = k.shape[0]
         self.rows.index_copy_(0, torch.cat((write, write + m.block_size)),
                               torch.cat((k.reshape(t, -1), v.reshape(t, -1))).to(
                                   self.rows.dtype))
         out = torch.empty_like(q)
         for s in m.prefill_spans:
-            out[s.q_start:s.q_start + s.q_len] = self._prefill(base, s, q, k, v)
+            out[s.q_start:s.q_start + s.q_len] = self._prefill(layer, s, q, k, v)
         if m.decode_spans:
-            out[m.decode_rows] = self._decode(base, q[m.decode_rows])
+            out[m.decode_rows] = self._decode(layer, q[m.decode_rows])
         return out
 
-    def _read(self, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (*rows.shape, self.kv_heads, self.head_dim)
-        k = self.rows.index_select(0, rows.reshape(-1)).view(shape).to(dtype)
-        v = self.rows.index_select(0, rows.reshape(-1) + self.meta.block_size).view(shape)
-        return k, v.to(dtype)
+    def _read(self, chunks: torch.Tensor, layer: int, dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the given layer-0 K chunks ([..., n]) → [..., n * bs, KV, D] each."""
+        shape = (*chunks.shape[:-1], -1, self.kv_heads, self.head_dim)
+        idx = chunks.reshape(-1) + 2 * layer
+        k = self.chunks.index_select(0, idx).view(shape)
+        v = self.chunks.index_select(0, idx + 1).view(shape)
+        return k.to(dtype), v.to(dtype)
 
-    def _prefill(self, base: int, s: SeqSpan, q: torch.Tensor, k: torch.Tensor,
+    def _prefill(self, layer: int, s: SeqSpan, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:
         rows = slice(s.q_start, s.q_start + s.q_len)
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
@@ -132,8 +134,9 @@ class PagedAttention:
             ks, vs = k[rows], v[rows]
             mask, causal = None, True
         else:
-            ctx_rows = self.meta.context_rows(s.block_ids, s.ctx_len, q.device) + base
-            ks, vs = self._read(ctx_rows, q.dtype)
+            chunks = self.meta.context_chunks(s.block_ids, s.ctx_len, q.device)
+            ks, vs = self._read(chunks, layer, q.dtype)
+            ks, vs = ks[:s.ctx_len], vs[:s.ctx_len]
             qpos = torch.arange(start, s.ctx_len, device=q.device)
             kpos = torch.arange(s.ctx_len, device=q.device)
             mask, causal = (kpos[None, :] <= qpos[:, None]), False
@@ -143,10 +146,9 @@ class PagedAttention:
         )
         return o.squeeze(0).transpose(0, 1)
 
-    def _decode(self, base: int, q: torch.Tensor) -> torch.Tensor:
+    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         m = self.meta
-        b, s = m.decode_shape
-        k, v = self._read((m.decode_read_rows + base).view(b, s), q.dtype)  # [B, S, KV, D]
+        k, v = self._read(m.decode_chunks, layer, q.dtype)  # [B, S, KV, D]
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=m.decode_mask,
             scale=self.scale, enable_gqa=True,

@@ -1,0 +1,20 @@
+"""Pull mode (`NixlConnector`): P prefills and leases its prompt blocks; D READs them.
+
+The baseline push mode is measured against. Flow: the proxy sends the P leg
+(`do_remote_decode`, max_tokens=1); P's finished request keeps its blocks and answers with
+kv_transfer_params naming them (`params.prefill_answer`); the proxy forwards those to D;
+D checks them against its prompt, preallocates the blocks it lacks, READs P's blocks
+`[first_block_index, ...)` with NIXL, tells P it is done (`<P request id>:1`), recomputes
+the last prompt token and decodes. P frees its blocks on that notification or when the
+lease expires (`kv_lease_duration`, extended by D's `HB:<P request ids>`).
+
+Modules:
+- scheduler.py  PullScheduler — scheduler half, both roles (engine-core thread).
+- params.py     P's answer and the D-leg check (`validate_request_params`, HTTP 400).
+- meta.py       PullMeta (scheduler → worker each step), prompt digest.
+- endpoint.py   engine id and side-channel address shared by the two halves.
+- connector.py  PullWorker — worker half: NIXL transport, side channel, thread.
+- thread.py     the `nixl-pull-reader` thread (inbox, notifications, polls, outbox).
+- lender.py     P side: leases, heartbeats, completions, expiry.
+- reader.py     D side: claims, handshakes (push.peers.Peers), READs, heartbeats.
+"""

@@ -1,0 +1,66 @@
+"""What the pull scheduler half hands the worker half each step (same process), and the
+prompt digest both sides compute."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+Address = tuple[str, int]
+
+
+def prompt_digest(token_ids: list[int]) -> str:
+    """Short hash of a prompt's token ids. P puts it in its kv_transfer_params; D reads P's
+    blocks only for a prompt with the same digest, so params that reach the wrong prompt
+    (a prompt list, a client replaying them) never load someone else's KV."""
+    data = np.asarray(token_ids, dtype=np.int64).tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class Claim:
+    """D side: a request that will read P's blocks; D heartbeats P until the READ is over."""
+
+    request_id: str  # D's
+    remote_request_id: str  # P's: the id in HB and in the completion notification
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+
+    @property
+    def addr(self) -> Address:
+        return (self.remote_host, self.remote_port)
+
+
+@dataclass(frozen=True)
+class Read:
+    """D side: READ P's blocks `remote_block_ids` into D's `local_block_ids` (same order;
+    prompt blocks `first_block_index`, ...)."""
+
+    claim: Claim
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    first_block_index: int
+
+
+@dataclass(frozen=True)
+class Lease:
+    """P side: a finished prefill's prompt blocks, held for D to read."""
+
+    request_id: str
+    block_ids: list[int]
+
+
+@dataclass
+class PullMeta:
+    claims: list[Claim] = field(default_factory=list)  # D: heartbeat while queued
+    reads: list[Read] = field(default_factory=list)  # D: post these READs
+    released: list[str] = field(default_factory=list)  # D: request over, blocks held
+    abandoned: list[str] = field(default_factory=list)  # D: claim dropped before any READ
+    leases: list[Lease] = field(default_factory=list)  # P: hold these for D
+
+    def brings_work(self) -> bool:
+        return bool(self.claims or self.reads or self.released or self.abandoned
+                    or self.leases)

@@ -1,0 +1,218 @@
+"""Pull mode, scheduler half (engine-core thread only; clock injectable for tests).
+
+P side: a finished request with `do_remote_decode` keeps its prompt blocks (delay-free);
+the worker leases them to D and reports them free-able (`finished_sending`) on D's
+completion notification or at lease expiry. The request's final output carries the
+kv_transfer_params D needs (`params.prefill_answer`).
+
+D side: a request with `do_remote_prefill` is checked against its own prompt when it
+arrives (token count, block count, prompt digest, one reader per P request); if the
+params do not fit, it prefills locally and never touches P's blocks. Otherwise D claims
+P's blocks (the worker heartbeats P while the request queues), asks for every prompt
+token it does not hold locally (async), and stages one READ of the missing blocks
+(`first_block_index` = local hit / block size). A request that finishes while its READ is
+staged or in flight keeps its blocks until the worker reports the READ over.
+
+Invariants: each claim ends in exactly one of finished_recving, failed_recving (the
+scheduler applies `kv_load_failure_policy`), `released` (blocks held, freed on
+`finished_sending`) or `abandoned` (no READ was ever posted; P's lease is returned).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.kv_connector import KVCacheSpec, KVConnectorOutput, KVConnectorScheduler
+from kvconnector.pull.endpoint import endpoint_for
+from kvconnector.pull.meta import Claim, Lease, PullMeta, Read, prompt_digest
+from kvconnector.pull.params import (
+    carriable_request_id,
+    prefill_answer,
+    validate_request_params,
+)
+
+logger = logging.getLogger(__name__)
+
+_FINISHED_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+_LEASE_MARGIN_S = 0.5  # room for clock skew and for the first heartbeat to reach P
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PullScheduler(KVConnectorScheduler):
+    def __init__(self, config: EngineConfig, spec: KVCacheSpec,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        kv = config.kv_transfer_config
+        assert kv is not None
+        self.block_size = spec.block_size
+        self.clock = clock
+        self.wall_clock = wall_clock  # lease_expires_at crosses hosts: wall time
+        self.endpoint = endpoint_for(config)
+        self.lease = float(kv.extra("kv_lease_duration", 30.0))
+        self.load_failure_policy = kv.extra("kv_load_failure_policy", "recompute")
+        if self.load_failure_policy not in ("recompute", "fail"):
+            raise ValueError("kv_load_failure_policy must be 'recompute' or 'fail'")
+        self._meta = PullMeta()
+        self._accepted: dict[str, Claim] = {}  # D: claim made, READ not over
+        self._reading: dict[str, int] = {}  # D: READ staged/in flight -> tokens it brings
+        self._held: set[str] = set()  # blocks wait for the worker's finished_sending
+        # (P engine, P request) -> until when a second claim is refused (inf: active).
+        self._claimed: dict[tuple[str, str], float] = {}
+        self.stats = {"kv_remote_prefill_tokens_total": 0, "kv_recompute_fallback_total": 0,
+                      "kv_pull_refused_params_total": 0}
+
+    # --- D side -------------------------------------------------------------------
+    def on_request_added(self, request: Any) -> None:
+        p = request.kv_transfer_params
+        if not isinstance(p, dict) or not p.get("do_remote_prefill"):
+            return
+        reason = self._refusal(request, p)
+        if reason is not None:
+            self.stats["kv_pull_refused_params_total"] += 1
+            logger.warning("request %s: not reading KV from P (%s); prefilling locally",
+                           request.request_id, reason)
+            return
+        claim = Claim(request.request_id, p["remote_request_id"], p["remote_engine_id"],
+                      p["remote_host"], p["remote_port"])
+        self._claimed[(claim.remote_engine_id, claim.remote_request_id)] = math.inf
+        self._accepted[request.request_id] = claim
+        self._meta.claims.append(claim)
+
+    def _refusal(self, request: Any, p: dict[str, Any]) -> str | None:
+        """Why these params must not load this request's KV, or None when they fit."""
+        try:
+            validate_request_params(p)
+        except ValueError as e:
+            return str(e)
+        n = request.num_prompt_tokens
+        if p["tp_size"] != 1:
+            return f"P's tp_size {p['tp_size']} is not supported (pull reads from tp_size 1)"
+        if p["num_prompt_tokens"] != n:
+            return f"P prefilled {p['num_prompt_tokens']} tokens, this prompt has {n}"
+        if len(p["remote_block_ids"]) != cdiv(n, self.block_size):
+            return (f"P lists {len(p['remote_block_ids'])} blocks for {n} tokens at block "
+                    f"size {self.block_size}")
+        digest = p.get("prompt_digest")
+        if digest is not None and digest != prompt_digest(request.prompt_token_ids):
+            return "this prompt differs from the one P prefilled (prompt_digest)"
+        expires = p.get("lease_expires_at")
+        if expires is not None and self.wall_clock() > expires - _LEASE_MARGIN_S:
+            return "P's lease on these blocks has run out (lease_expires_at)"
+        key = (p["remote_engine_id"], p["remote_request_id"])
+        if self._claimed.get(key, -math.inf) > self.clock():
+            return (f"P request {key[1]} of engine {key[0]} is already claimed (its blocks "
+                    "are read once)")
+        return None
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        rid = request.request_id
+        if rid not in self._accepted or rid in self._reading:
+            return 0, False
+        return request.num_prompt_tokens - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        rid = request.request_id
+        claim = self._accepted.get(rid)
+        if claim is None or rid in self._reading:
+            return
+        if num_external_tokens <= 0:
+            self._abandon(rid)
+            return
+        remote = request.kv_transfer_params["remote_block_ids"]
+        first = (request.num_prompt_tokens - num_external_tokens) // self.block_size
+        last = cdiv(request.num_prompt_tokens, self.block_size)
+        self._meta.reads.append(Read(claim, list(block_ids[first:last]),
+                                     list(remote[first:last]), first))
+        self._reading[rid] = num_external_tokens - 1  # the last token is recomputed
+
+    # --- both sides ---------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: Any) -> PullMeta:
+        if self._claimed:
+            now = self.clock()
+            for key, until in list(self._claimed.items()):
+                if until <= now:
+                    del self._claimed[key]
+        meta, self._meta = self._meta, PullMeta()
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        if rid in self._reading:  # D: the READ may still land in these blocks
+            del self._reading[rid]
+            self._end_claim(rid)
+            self._held.add(rid)
+            self._meta.released.append(rid)
+            return True, None
+        if rid in self._accepted:  # D: finished before any READ was posted
+            self._abandon(rid)
+            return False, None
+        params = request.kv_transfer_params
+        if isinstance(params, dict) and params.get("do_remote_decode"):
+            return self._lease(request, block_ids, params)
+        return False, None
+
+    def _lease(self, request: Any, block_ids: list[int], params: dict[str, Any]
+               ) -> tuple[bool, dict[str, Any] | None]:
+        """P: keep the prompt blocks for D and answer with where to read them."""
+        rid = request.request_id
+        n = cdiv(request.num_prompt_tokens, self.block_size)
+        if request.status.name not in _FINISHED_OK:
+            return False, None
+        if len(block_ids) < n or not carriable_request_id(rid) or not self.endpoint.port:
+            logger.warning("request %s: cannot lease its KV for a pull (%d of %d blocks, "
+                           "side-channel port %d); D will prefill itself", rid,
+                           len(block_ids), n, self.endpoint.port)
+            return False, None
+        blocks = list(block_ids[:n])
+        self._meta.leases.append(Lease(rid, blocks))
+        self._held.add(rid)
+        return True, prefill_answer(self.endpoint, rid, blocks, request.num_prompt_tokens,
+                                    prompt_digest(request.prompt_token_ids),
+                                    self.wall_clock() + self.lease, params.get("transfer_id"))
+
+    def _abandon(self, rid: str) -> None:
+        self._end_claim(rid)
+        self._meta.abandoned.append(rid)
+
+    def _end_claim(self, rid: str) -> None:
+        """The request no longer reads P's blocks; refuse the same P request for a while
+        (its blocks are free on P, maybe someone else's by now)."""
+        claim = self._accepted.pop(rid, None)
+        if claim is not None:
+            key = (claim.remote_engine_id, claim.remote_request_id)
+            self._claimed[key] = self.clock() + 2 * self.lease
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for rid in output.failed_recving:  # first: a failure wins over a receipt
+            if self._reading.pop(rid, None) is not None:
+                self._end_claim(rid)
+                if self.load_failure_policy == "recompute":
+                    self.stats["kv_recompute_fallback_total"] += 1
+        for rid in output.finished_recving:
+            tokens = self._reading.pop(rid, None)
+            if tokens is not None:
+                self.stats["kv_remote_prefill_tokens_total"] += tokens
+                self._end_claim(rid)
+        for rid in output.finished_sending:
+            self._held.discard(rid)
+
+    def has_pending_work(self) -> bool:
+        return bool(self._held or self._meta.brings_work())
+
+    def table_sizes(self) -> dict[str, int]:
+        return {"pull_sched_held": len(self._held), "pull_sched_accepted": len(self._accepted),
+                "pull_sched_reading": len(self._reading)}
+
+    def get_stats(self) -> dict[str, float]:
+        return dict(self.stats)

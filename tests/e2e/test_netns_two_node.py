@@ -1,0 +1,165 @@
+"""Two "nodes" in network namespaces (scripts/netns_two_node.sh) and the two-host launch
+scripts (scripts/launch_{prefill,decode,proxy}.sh).
+
+The namespace test runs the real script: P in one namespace, D and the proxy in the other,
+UCX over TCP on the veth pair; the script itself checks answers against a colocated
+reference and that the KV crossed the veth. It is skipped only where `ip netns add` is not
+permitted, with the probe's error as the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "scripts"
+NETNS = SCRIPTS / "netns_two_node.sh"
+SCRIPT_TIMEOUT_S = 240
+EXIT_SKIP = 77
+
+
+def _netns_probe() -> str | None:
+    """None when `ip netns add` works here; else why not (the probe's stderr)."""
+    if shutil.which("ip") is None:
+        return "no 'ip' command (iproute2 is not installed)"
+    name = f"pdserve-probe-{os.getpid()}"
+    add = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True,
+                         timeout=30)
+    if add.returncode != 0:
+        return f"'ip netns add' is not permitted: {add.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+    return None
+
+
+def _namespaces() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                          timeout=30).stdout
+
+
+def _run_bounded(argv: list[str], timeout: float, **kw) -> tuple[int, str]:
+    """Run argv; past the timeout send SIGTERM (the script's trap tears down), then KILL."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, **kw)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=40)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        pytest.fail(f"{argv[0]} ran past {timeout}s; output:\n{out}")
+    return proc.returncode, out
+
+
+def test_two_node_over_veth_matches_colocated_and_moves_the_kv(tiny_model: str):
+    reason = _netns_probe()
+    if reason is not None:
+        pytest.skip(reason)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    rc, out = _run_bounded([str(NETNS), tiny_model], SCRIPT_TIMEOUT_S, env=env)
+    print(out)
+    assert rc == 0, f"netns_two_node.sh exited {rc}:\n{out}"
+    assert "netns_check: all checks passed" in out
+    assert "FAIL" not in out
+    # The trap removed the namespaces this run created (their names carry the script's pid).
+    leftovers = [line for line in _namespaces().splitlines()
+                 if line.startswith(("pdserve-p-", "pdserve-d-")) and line.split()[0]
+                 in out]
+    assert not leftovers, f"namespaces left behind: {leftovers}"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to drop privileges")
+def test_netns_script_exits_77_where_namespaces_are_not_permitted(tiny_model: str):
+    rc, out = _run_bounded(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                            "--inh-caps=-all", str(NETNS), tiny_model], 60)
+    assert rc == EXIT_SKIP, out
+    assert "not permitted" in out
+
+
+def _dry_run(script: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("P_", "D_", "PROXY_", "UCX_")) and k not in (
+                 "MODEL", "KV_CONNECTOR", "SERVED_MODEL_NAME", "PDSERVE_EXTRA_ARGS",
+                 "PDSERVE_API_KEY")}
+    return subprocess.run([str(SCRIPTS / script), *args], capture_output=True, text=True,
+                          env={**clean, "PDSERVE": "/bin/true", **env}, timeout=30)
+
+
+def test_launch_prefill_builds_the_pdserve_command_from_env_and_flags():
+    r = _dry_run("launch_prefill.sh", "--dry-run", "--kv-port", "5700", "--", "--num-kv-blocks",
+                 "64", MODEL="/models/m", P_HOST="10.1.2.3", P_PORT="9100", UCX_TLS="rc")
+    assert r.returncode == 0, r.stderr
+    assert shlex.split(r.stdout) == [
+        "/bin/true", "prefill", "/models/m", "--host", "10.1.2.3", "--port", "9100",
+        "--kv-host", "10.1.2.3", "--kv-port", "5700", "--kv-connector", "NixlPushConnector",
+        "--num-kv-blocks", "64"]
+    assert "UCX_TLS=rc" in r.stderr  # what UCX may use is recorded in the launch log
+
+
+def test_launch_decode_binds_everywhere_but_advertises_its_host():
+    r = _dry_run("launch_decode.sh", "/models/m", "--host", "10.9.9.9", "--bind", "0.0.0.0",
+                 "--engine-id", "D7", "--served-model-name", "llm", "--dry-run",
+                 D_HOST="10.0.0.1", PDSERVE_EXTRA_ARGS="--max-model-len 2048")
+    assert r.returncode == 0, r.stderr
+    assert shlex.split(r.stdout) == [
+        "/bin/true", "decode", "/models/m", "--host", "0.0.0.0", "--port", "8200",
+        "--kv-host", "10.9.9.9", "--kv-port", "5601", "--kv-connector", "NixlPushConnector",
+        "--engine-id", "D7", "--served-model-name", "llm", "--max-model-len", "2048"]
+
+
+@pytest.mark.parametrize(("args", "env", "message"), [
+    (["/m"], {}, "P_HOST"),
+    ([], {"P_HOST": "10.0.0.1"}, "MODEL"),
+    (["/m", "--host", "0.0.0.0"], {}, "concrete address"),
+    (["/m", "--port", "70000"], {"P_HOST": "h"}, "--port"),
+    (["/m", "--kv-port", "8100"], {"P_HOST": "h"}, "must differ"),
+    (["/m", "--connector", "Nope"], {"P_HOST": "h"}, "--connector"),
+    (["/m", "--bogus"], {"P_HOST": "h"}, "unknown option"),
+    (["/m", "--host"], {}, "needs a value"),
+])
+def test_launch_prefill_rejects_bad_input_with_exit_2(args, env, message):
+    r = _dry_run("launch_prefill.sh", "--dry-run", *args, **env)
+    assert r.returncode == 2
+    assert message in r.stderr
+    assert r.stdout == ""
+
+
+def test_launch_proxy_points_at_both_hosts_in_push_mode():
+    r = _dry_run("launch_proxy.sh", "--dry-run", "--", "--request-timeout", "30",
+                 P_HOST="10.0.0.1", D_HOST="10.0.0.2", PROXY_HOST="0.0.0.0")
+    assert r.returncode == 0, r.stderr
+    assert shlex.split(r.stdout) == [
+        "/bin/true", "proxy", "--prefill", "http://10.0.0.1:8100", "--decode",
+        "http://10.0.0.2:8200", "--mode", "push", "--host", "0.0.0.0", "--port", "8000",
+        "--request-timeout", "30"]
+
+
+def test_launch_proxy_takes_url_lists_and_rejects_bad_urls():
+    r = _dry_run("launch_proxy.sh", "--dry-run", "--decode-url", "http://a:1,http://b:2",
+                 "--prefill-host", "p", "--mode", "pull")
+    assert r.returncode == 0, r.stderr
+    assert shlex.split(r.stdout)[2:9] == ["--prefill", "http://p:8100", "--decode", "http://a:1",
+                                          "--decode", "http://b:2", "--mode"]
+    bad = _dry_run("launch_proxy.sh", "--dry-run", "--prefill-url", "ftp://x", D_HOST="d")
+    assert bad.returncode == 2 and "ftp://x" in bad.stderr
+    missing = _dry_run("launch_proxy.sh", "--dry-run", P_HOST="p")
+    assert missing.returncode == 2 and "D_HOST" in missing.stderr
+
+
+@pytest.mark.parametrize("script", ["launch_prefill.sh", "launch_decode.sh", "launch_proxy.sh",
+                                    "netns_two_node.sh"])
+def test_every_script_prints_usage(script):
+    r = subprocess.run([str(SCRIPTS / script), "--help"], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 0
+    assert "Usage:" in r.stdout or "usage" in r.stdout.lower()

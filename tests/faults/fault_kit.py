@@ -1,0 +1,155 @@
+"""Helpers for the push fault tests: deployments with per-engine flags, raw legs, waits.
+
+`cluster()` is `pd_harness.deployment()` with what fault scenarios need on top: command-line
+flags and kv extra config per engine (one D may drop registrations while another fails
+requests), server logs in a temp dir (their tails are printed when start-up fails), and the
+side-channel ports of every engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import psutil
+from pd_harness import TEST_ENV, Deployment, engine_stats, metric, role_args, start_proxy
+
+from engine.server.launcher import ServerProcess, free_port, launch_server
+
+MAX_TOKENS = 8
+LOG_DIR = os.environ.get("PDSERVE_FAULT_LOGS") or tempfile.mkdtemp(prefix="pdserve-faults-")
+
+
+@contextlib.contextmanager
+def cluster(model: str, *, num_blocks: int = 256, extra: dict[str, Any] | None = None,
+            p_extra: dict[str, Any] | None = None,
+            d_extras: list[dict[str, Any]] | None = None, p_args: tuple[str, ...] = (),
+            d_args: list[tuple[str, ...]] | None = None, proxy_args: tuple[str, ...] = (),
+            with_proxy: bool = True, name: str = "faults") -> Iterator[Deployment]:
+    """One P and len(d_extras) D's (default one), push mode, optionally behind a proxy."""
+    d_extras = d_extras if d_extras is not None else [{}]
+    d_args = d_args if d_args is not None else [() for _ in d_extras]
+    procs: list[ServerProcess] = []
+    kv_ports: dict[str, int] = {}
+
+    def start(module: str, engine_id: str, cfg: dict[str, Any], more: tuple[str, ...]
+              ) -> ServerProcess:
+        kv_ports[engine_id] = free_port()
+        s = launch_server(model, *role_args(num_blocks, {**(extra or {}), **cfg},
+                                            "NixlPushConnector", engine_id,
+                                            kv_ports[engine_id], *more),
+                          module=module, env=TEST_ENV, wait=False,
+                          log_path=os.path.join(LOG_DIR, f"{name}-{engine_id}.log"))
+        procs.append(s)
+        return s
+
+    try:
+        p = start("prefill", "P0", p_extra or {}, p_args)
+        decodes = [start("decode", f"D{i}", cfg, more)
+                   for i, (cfg, more) in enumerate(zip(d_extras, d_args, strict=True))]
+        for s in procs:
+            s.wait_healthy(180)
+        proxy = None
+        if with_proxy:
+            proxy = start_proxy([p.url], [d.url for d in decodes], "push", *proxy_args)
+            procs.append(proxy)
+        yield Deployment([p], decodes, proxy, "push", kv_ports)
+    finally:
+        for s in reversed(procs):
+            s.stop()
+
+
+def prompts(n: int, seed: int, lo: int = 20, hi: int = 120) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 2000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def legs(dep: Deployment, prompt: list[int], tid: str, *, max_tokens: int = MAX_TOKENS,
+         remote_port: int | None = None, stream: bool = False
+         ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The proxy's two push legs for one prompt (P leg, D leg), built by hand."""
+    info = httpx.get(f"{dep.p.url}/kv_transfer/info", timeout=5).json()
+    p_leg = {"model": "m", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+             "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}
+    d_leg = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+             "stream": stream,
+             "kv_transfer_params": {
+                 "do_remote_prefill": True, "transfer_id": tid,
+                 "remote_engine_id": info["engine_id"], "remote_host": info["kv_host"],
+                 "remote_port": remote_port or info["kv_port"], "tp_size": info["tp_size"]}}
+    return p_leg, d_leg
+
+
+def plain(prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    return {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+
+
+async def post(url: str, body: dict[str, Any], rid: str, timeout: float = 60.0
+               ) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=timeout) as c:
+        return await c.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": rid})
+
+
+def post_sync(url: str, body: dict[str, Any], rid: str, timeout: float = 60.0
+              ) -> httpx.Response:
+    return asyncio.run(post(url, body, rid, timeout))
+
+
+def text_of(r: httpx.Response) -> str:
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str, every: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(every)
+
+
+def wait_metric(server: ServerProcess, name: str, at_least: float, timeout: float = 20.0
+                ) -> float:
+    return wait_for(lambda: (v := metric(server, name)) >= at_least and (v or 1e-9),
+                    timeout, f"{name} >= {at_least} on {server.url}")
+
+
+def kv_stat(server: ServerProcess, name: str) -> float:
+    return float(engine_stats(server)["kv_connector"].get(name, 0))
+
+
+def table(server: ServerProcess, name: str) -> int:
+    return int(engine_stats(server).get(name, 0))
+
+
+def processes(server: ServerProcess) -> list[psutil.Process]:
+    """The server process and everything under it (EngineCore, ...)."""
+    try:
+        return [psutil.Process(server.pid), *server.descendants()]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def signal_all(server: ServerProcess, sig: int) -> None:
+    for proc in processes(server):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(sig)
+
+
+def kill(server: ServerProcess) -> None:
+    """SIGKILL a whole engine server (API server and EngineCore) and reap it."""
+    procs = processes(server)
+    signal_all(server, signal.SIGKILL)
+    psutil.wait_procs(procs, timeout=10)
+    server.process.wait(10)

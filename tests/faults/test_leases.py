@@ -1,0 +1,65 @@
+"""P's block leases: freed when D never registers, kept alive by D's heartbeats while D queues."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from fault_kit import cluster, legs, metric, plain, post, post_sync, prompts, table, text_of
+from fault_kit import wait_for as wait
+from pd_harness import assert_no_leaks, engine_stats
+
+LEASE = 2.0
+EXPIRED = "pdserve:kv_lease_expired_total"
+
+
+@pytest.fixture(scope="module")
+def dep(tiny_model: str):
+    # D runs one sequence at a time, so a D leg can queue for longer than P's lease.
+    with cluster(tiny_model, extra={"kv_lease_duration": LEASE, "push_registration_timeout": 20},
+                 d_args=[("--max-num-seqs", "1")], with_proxy=False, name="leases") as d:
+        yield d
+
+
+def test_blocks_of_a_transfer_d_never_claims_are_freed_at_lease_expiry(dep):
+    expired = metric(dep.p, EXPIRED)
+    p_leg, _ = legs(dep, prompts(1, seed=1, lo=80, hi=80)[0], "tid-never-claimed")
+    started = time.monotonic()
+    assert post_sync(dep.p.url, p_leg, "never-claimed").status_code == 200
+    st = engine_stats(dep.p)
+    assert st["p_staged"] == 1  # P holds the prompt's blocks for D ...
+    assert st["num_free_blocks"] <= st["num_kv_blocks"] - 80 // 16
+    wait(lambda: metric(dep.p, EXPIRED) >= expired + 1, 3 * LEASE, "the lease to expire")
+    assert time.monotonic() - started >= LEASE * 0.9  # ... until the lease, not before
+    assert table(dep.p, "p_staged") == 0
+    assert_no_leaks(dep.engines)
+
+
+def test_heartbeats_keep_blocks_while_d_queues_longer_than_the_lease(dep, reference):
+    prompt = prompts(1, seed=2, lo=90, hi=90)[0]
+    p_leg, d_leg = legs(dep, prompt, "tid-queued")
+    expired = metric(dep.p, EXPIRED)
+    writes = metric(dep.p, "pdserve:kv_push_writes_total")
+    remote = metric(dep.d, "pdserve:kv_remote_prefill_tokens_total")
+    blocker = {**plain(prompts(1, seed=3)[0], 900), "ignore_eos": True}
+
+    async def run() -> tuple[str, float]:
+        busy = asyncio.create_task(post(dep.d.url, blocker, "blocker", timeout=120))
+        await asyncio.to_thread(wait, lambda: engine_stats(dep.d)["num_running_reqs"] == 1,
+                                20, "the blocker to run on D")
+        d_task = asyncio.create_task(post(dep.d.url, d_leg, "queued"))  # queues behind it
+        assert (await post(dep.p.url, p_leg, "queued")).status_code == 200
+        p_done = time.monotonic()
+        out = await d_task
+        waited = time.monotonic() - p_done
+        assert (await busy).status_code == 200
+        return text_of(out), waited
+
+    text, waited = asyncio.run(run())
+    assert waited > 2 * LEASE, f"D leg waited only {waited:.1f}s: the scenario proved nothing"
+    assert text == reference([prompt])[0]
+    assert metric(dep.p, EXPIRED) == expired
+    assert metric(dep.p, "pdserve:kv_push_writes_total") == writes + 1
+    assert metric(dep.d, "pdserve:kv_remote_prefill_tokens_total") - remote == len(prompt) - 1
+    assert_no_leaks(dep.engines)
