@@ -59,7 +59,7 @@ CREATED_NS=()
 
 # Kill what runs inside our namespaces (TERM, then KILL after a grace period), delete them.
 cleanup() {
-    local rc=$? ns pids deadline
+    local rc=$? ns pids deadline t0=$SECONDS
     set +e
     trap - EXIT INT TERM
     for ns in "${CREATED_NS[@]}"; do
@@ -92,7 +92,8 @@ cleanup() {
     else
         rm -rf "$WORK"
     fi
-    log "$( ((rc == 0)) && echo PASSED || echo "exit status $rc")"
+    log "$( ((rc == 0)) && echo PASSED || echo "exit status $rc") after ${SECONDS}s" \
+        "(teardown $((SECONDS - t0))s)"
     exit "$rc"
 }
 trap cleanup EXIT

@@ -82,7 +82,9 @@ class AttentionMetadata:
             table[i, :n] = torch.tensor(s.block_ids[:n], dtype=torch.long)
         self.decode_chunks = table.to(device) * self.chunks_per_block  # layer-0 K chunks
         self.decode_shape = (len(spans), max_blocks * bs)
-        ctx = torch.tensor([s.ctx_len for s in spans], device=device)
+        lens = [s.ctx_len for s in spans]
+        self.decode_ctx = lens[0] if len(set(lens)) == 1 else None  # equal: no mask needed
+        ctx = torch.tensor(lens, device=device)
         keys = torch.arange(max_blocks * bs, device=device)
         # [B, 1, 1, S]: True where the key is inside the sequence's context.
         self.decode_mask = (keys[None, :] < ctx[:, None])[:, None, None, :]
@@ -149,8 +151,11 @@ class PagedAttention:
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         m = self.meta
         k, v = self._read(m.decode_chunks, layer, q.dtype)  # [B, S, KV, D]
+        mask = m.decode_mask
+        if m.decode_ctx is not None:  # every sequence has the same context: slice, no mask
+            k, v, mask = k[:, :m.decode_ctx], v[:, :m.decode_ctx], None
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=m.decode_mask,
+            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
             scale=self.scale, enable_gqa=True,
         )  # [B, H, 1, D]
         return o.squeeze(2)

@@ -120,6 +120,7 @@ class Reader:
             except Exception as e:  # noqa: BLE001 - a failed post is a failed load
                 self._fail(rid, f"READ from {_where(claim)} could not start: {e}")
                 self._return_lease(claim)
+                self._suspect(claim, str(e))
                 continue
             nbytes = len(read.local_block_ids) * self.bytes_per_block
             self.inflight[rid] = Inflight(read, handle, now, nbytes)
@@ -142,8 +143,10 @@ class Reader:
                 self.stats["kv_transfer_seconds_count"] += 1
                 if not released:
                     self.finished_recving.add(rid)
-            elif not released:
-                self._fail(rid, f"READ from {_where(claim)} failed in transfer")
+            else:
+                self._suspect(claim, "a READ failed in transfer")
+                if not released:
+                    self._fail(rid, f"READ from {_where(claim)} failed in transfer")
             if released:
                 self.done.add(rid)
 
@@ -151,6 +154,11 @@ class Reader:
         logger.warning("receiving KV for %s failed: %s", rid, reason)
         self.failed_recving[rid] = reason
         self.stats["kv_recv_failed_total"] += 1
+
+    def _suspect(self, claim: Claim, reason: str) -> None:
+        """P may have died or restarted: handshake afresh (after Peers' retry delay) instead
+        of reusing agent metadata that may be stale."""
+        self.peers.mark_failed(claim.addr, f"{_where(claim)}: {reason}")
 
     def _return_lease(self, claim: Claim) -> None:
         """Tell P its blocks are no longer needed (once P is reachable)."""

@@ -16,6 +16,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -63,8 +64,9 @@ def cluster(model: str, *, num_blocks: int = 256, extra: dict[str, Any] | None =
             procs.append(proxy)
         yield Deployment([p], decodes, proxy, "push", kv_ports)
     finally:
-        for s in reversed(procs):
-            s.stop()
+        # Stop side by side: each stop may wait seconds for a graceful drain.
+        with ThreadPoolExecutor(max(1, len(procs))) as pool:
+            list(pool.map(lambda s: s.stop(10), reversed(procs)))
 
 
 def prompts(n: int, seed: int, lo: int = 20, hi: int = 120) -> list[list[int]]:

@@ -1,0 +1,320 @@
+"""`python -m engine.bench.report`: the markdown report and plot of `scripts/bench_pd.sh`.
+
+Reads the raw directory the script fills —
+  `<system>__A_r<rate>.json`, `<system>__mix.json` (bench serve, --save-detailed),
+  `overhead_{direct,proxy}_<round>.json`, `transfer.json` (bench transfer), `loadavg.txt` —
+and writes one markdown file (machine, method, goals, tables) and one PNG (TTFT/ITL CDFs).
+A missing input leaves its row or goal marked "not measured"; it never fails the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import platform
+import re
+import statistics
+from datetime import datetime, timezone
+from typing import Any
+
+SYSTEMS = ("colocated", "pull", "push")
+GOAL_PUSH_TTFT = 0.8  # push median TTFT <= 0.8 x pull, same load
+GOAL_ITL = 0.5  # P/D p99 ITL <= 0.5 x colocated, mixed workload
+GOAL_TRANSFER = 0.8  # >= 80% of single-thread memcpy bandwidth
+GOAL_PROXY_MS = 2.0  # proxy adds <= 2 ms median TTFT
+
+
+def _load(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def load_runs(raw: str) -> dict[str, Any]:
+    """{'A': {system: {rate: result}}, 'mix': {system: result}, 'overhead': {how: [results]},
+    'transfer': result|None, 'loadavg': [(phase, '1m 5m 15m')]}"""
+    runs: dict[str, Any] = {"A": {}, "mix": {}, "overhead": {"direct": [], "proxy": []}}
+    for path in sorted(glob.glob(os.path.join(raw, "*.json"))):
+        name = os.path.basename(path)[:-5]
+        data = _load(path)
+        if data is None:
+            continue
+        if m := re.fullmatch(r"(\w+)__A_r([\d.]+)", name):
+            runs["A"].setdefault(m.group(1), {})[float(m.group(2))] = data
+        elif m := re.fullmatch(r"(\w+)__mix", name):
+            runs["mix"][m.group(1)] = data
+        elif m := re.fullmatch(r"overhead_(direct|proxy)_\d+", name):
+            runs["overhead"][m.group(1)].append(data)
+    runs["transfer"] = _load(os.path.join(raw, "transfer.json"))
+    runs["loadavg"] = []
+    try:
+        with open(os.path.join(raw, "loadavg.txt")) as f:
+            runs["loadavg"] = [tuple(line.split(" ", 1)) for line in f if line.strip()]
+    except OSError:
+        pass
+    return runs
+
+
+# ---- machine ------------------------------------------------------------------------------
+
+
+def machine_info() -> dict[str, str]:
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"nproc": str(len(os.sched_getaffinity(0))), "cpu": model,
+            "kernel": platform.release(), "python": platform.python_version()}
+
+
+def model_info(model_dir: str | None) -> str:
+    cfg = _load(os.path.join(model_dir, "config.json")) if model_dir else None
+    if not cfg:
+        return "unknown"
+    return (f"`{model_dir}`: {cfg.get('model_type')}, hidden {cfg.get('hidden_size')}, "
+            f"{cfg.get('num_hidden_layers')} layers, {cfg.get('num_attention_heads')} heads "
+            f"({cfg.get('num_key_value_heads')} KV), vocab {cfg.get('vocab_size')}, "
+            f"{cfg.get('torch_dtype')}")
+
+
+# ---- tables -------------------------------------------------------------------------------
+
+
+def _ms(v: float | None) -> str:
+    return "—" if v is None else (f"{v:.0f}" if v >= 100 else f"{v:.1f}")
+
+
+def _row(system: str, workload: str, rate: Any, r: dict[str, Any]) -> str:
+    good = r.get("request_goodput")
+    return (f"| {system} | {workload} | {rate} | {r['completed']}/{r['failed']} | "
+            f"{_ms(r['median_ttft_ms'])} | {_ms(r['p99_ttft_ms'])} | "
+            f"{_ms(r['median_itl_ms'])} | {_ms(r['p99_itl_ms'])} | "
+            f"{_ms(r['median_tpot_ms'])} | {'—' if good is None else f'{good:.2f}'} | "
+            f"{r['request_throughput']:.2f} | {r['output_throughput']:.1f} |")
+
+
+def serving_table(runs: dict[str, Any]) -> list[str]:
+    lines = ["| system | workload | rate (req/s) | done/failed | TTFT p50 | TTFT p99 | "
+             "ITL p50 | ITL p99 | TPOT p50 | goodput (req/s) | req/s | out tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rates = sorted({rate for per in runs["A"].values() for rate in per})
+    for rate in rates:
+        for system in SYSTEMS:
+            r = runs["A"].get(system, {}).get(rate)
+            if r:
+                lines.append(_row(system, "A: 1024 in / 64 out", rate, r))
+    for system in SYSTEMS:
+        r = runs["mix"].get(system)
+        if not r:
+            continue
+        lines.append(_row(system, "mix: all", r["request_rate"], r))
+        for kind, sub in sorted(r.get("by_kind", {}).items()):
+            lines.append(_row(system, f"mix: only {kind}", r["request_rate"], sub))
+    return lines
+
+
+# ---- goals --------------------------------------------------------------------------------
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b <= 0 else a / b
+
+
+def _pooled_median_ttft_ms(results: list[dict[str, Any]]) -> float | None:
+    values = [t * 1000 for r in results
+              for t, err in zip(r.get("ttfts", []), r.get("errors", []), strict=False)
+              if not err]
+    return statistics.median(values) if values else None
+
+
+def _pooled_median_itl_ms(results: list[dict[str, Any]]) -> float | None:
+    values = [g * 1000 for r in results
+              for gaps, err in zip(r.get("itls", []), r.get("errors", []), strict=False)
+              if not err for g in gaps]
+    return statistics.median(values) if values else None
+
+
+def goals(runs: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    """Markdown rows of the goal table, and the numbers behind them."""
+    rows = ["| goal | measured | reached |", "|---|---|---|"]
+    numbers: dict[str, Any] = {}
+
+    def verdict(ok: bool | None) -> str:
+        return "not measured" if ok is None else ("**yes**" if ok else "no")
+
+    push, pull = runs["A"].get("push", {}), runs["A"].get("pull", {})
+    per_rate = {rate: _ratio(push[rate]["median_ttft_ms"], pull[rate]["median_ttft_ms"])
+                for rate in sorted(set(push) & set(pull))}
+    numbers["push_over_pull_ttft"] = per_rate
+    measured = ", ".join(f"{rate:g}/s: {v:.2f}" for rate, v in per_rate.items()
+                         if v is not None) or "—"
+    hits = [v <= GOAL_PUSH_TTFT for v in per_rate.values() if v is not None]
+    rows.append(f"| push median TTFT ≤ {GOAL_PUSH_TTFT} × pull, same load (workload A) | "
+                f"push/pull = {measured} | {verdict(all(hits) if hits else None)}"
+                f"{f' ({sum(hits)} of {len(hits)} rates)' if hits else ''} |")
+
+    colo = runs["mix"].get("colocated")
+    for system in ("push", "pull"):
+        pd = runs["mix"].get(system)
+        ratio = _ratio(pd and pd["p99_itl_ms"], colo and colo["p99_itl_ms"])
+        numbers[f"{system}_over_colocated_p99_itl"] = ratio
+        shown = "—" if ratio is None else (
+            f"{pd['p99_itl_ms']:.0f} / {colo['p99_itl_ms']:.0f} ms = {ratio:.2f}")
+        rows.append(f"| {system} p99 ITL ≤ {GOAL_ITL} × colocated (mixed workload) | {shown} | "
+                    f"{verdict(None if ratio is None else ratio <= GOAL_ITL)} |")
+
+    t = runs["transfer"]
+    ratio = t.get("ratio") if t else None
+    numbers["transfer_ratio"] = ratio
+    shown = "—" if ratio is None else (
+        f"{t['gbps']:.2f} / {t['memcpy_gbps']:.2f} GB/s = {ratio:.2f}")
+    rows.append(f"| transfer ≥ {GOAL_TRANSFER:.0%} of single-thread memcpy (2048 tokens) | "
+                f"{shown} | {verdict(None if ratio is None else ratio >= GOAL_TRANSFER)} |")
+
+    direct = _pooled_median_ttft_ms(runs["overhead"]["direct"])
+    proxied = _pooled_median_ttft_ms(runs["overhead"]["proxy"])
+    overhead = None if direct is None or proxied is None else proxied - direct
+    numbers["proxy_overhead_ms"] = overhead
+    shown = "—" if overhead is None else (
+        f"{proxied:.1f} − {direct:.1f} = {overhead:+.1f} ms")
+    rows.append(f"| proxy adds ≤ {GOAL_PROXY_MS:g} ms median TTFT | {shown} | "
+                f"{verdict(None if overhead is None else overhead <= GOAL_PROXY_MS)} |")
+    return rows, numbers
+
+
+def transfer_section(t: dict[str, Any] | None) -> list[str]:
+    if not t:
+        return ["not measured (see pd_raw/logs/transfer.txt)"]
+    keys = ("bytes", "descriptors", "num_blocks", "gbps", "memcpy_gbps", "ratio", "e2e_gbps",
+            "write_ms_median", "write_ms_p99", "e2e_ms_median", "ucx_tls", "verified")
+    return ["| " + " | ".join(k for k in keys if k in t) + " |",
+            "|" + "---|" * sum(1 for k in keys if k in t),
+            "| " + " | ".join(str(t[k]) for k in keys if k in t) + " |"]
+
+
+def overhead_section(runs: dict[str, Any]) -> list[str]:
+    lines = ["| path | runs | requests ok | median TTFT (ms) | median ITL (ms) |",
+             "|---|---|---|---|---|"]
+    for how, label in (("direct", "client sends P and D legs itself"),
+                       ("proxy", "through `pdserve proxy --mode push`")):
+        rs = runs["overhead"][how]
+        ok = sum(r["completed"] for r in rs)
+        lines.append(f"| {label} | {len(rs)} | {ok} | {_ms(_pooled_median_ttft_ms(rs))} | "
+                     f"{_ms(_pooled_median_itl_ms(rs))} |")
+    return lines
+
+
+# ---- plot ---------------------------------------------------------------------------------
+
+
+def _latencies(r: dict[str, Any], kind: str | None = None) -> dict[str, list[float]]:
+    keep = [i for i, err in enumerate(r.get("errors", []))
+            if not err and (kind is None or r["kinds"][i] == kind)]
+    return {"TTFT": [r["ttfts"][i] * 1000 for i in keep],
+            "ITL": [g * 1000 for i in keep for g in r["itls"][i]]}
+
+
+def plot(runs: dict[str, Any], path: str) -> None:
+    from engine.bench.plot import plot_cdf_grid
+
+    grid: dict[str, dict[str, dict[str, list[float]]]] = {}
+    rates = sorted({rate for per in runs["A"].values() for rate in per})
+    if rates:
+        top = rates[-1]
+        grid[f"A 1024x64 @ {top:g}/s"] = {s: _latencies(runs["A"][s][top]) for s in SYSTEMS
+                                          if top in runs["A"].get(s, {})
+                                          and "ttfts" in runs["A"][s][top]}
+    grid["mixed workload"] = {s: _latencies(runs["mix"][s]) for s in SYSTEMS
+                              if s in runs["mix"] and "ttfts" in runs["mix"][s]}
+    grid = {k: v for k, v in grid.items() if v}
+    if grid:
+        plot_cdf_grid(grid, path, title="pdserve: colocated vs P/D pull vs P/D push")
+
+
+# ---- main ---------------------------------------------------------------------------------
+
+
+def render(runs: dict[str, Any], model_dir: str | None, plot_name: str | None) -> str:
+    m = machine_info()
+    goal_rows, numbers = goals(runs)
+    load = runs["loadavg"]
+    a_any = next((r for per in runs["A"].values() for r in per.values()), None)
+    slos = (a_any or {}).get("goodput_slos_ms", {})
+    out = [
+        "# P/D benchmark: colocated vs 1P1D pull vs 1P1D push",
+        "",
+        f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- machine: `nproc` = {m['nproc']}, CPU: {m['cpu']}, kernel {m['kernel']}, "
+        f"Python {m['python']}",
+        "- load average (1m 5m 15m) by phase: "
+        + ("; ".join(f"{p}: {v.strip()}" for p, v in load) if load else "not recorded"),
+        "  (other work shared this machine during the run: the numbers are noisy)",
+        f"- model: {model_info(model_dir)}",
+        "",
+        "## Method",
+        "",
+        "- Each engine is pinned to one core (`taskset`, `OMP_NUM_THREADS=1`). colocated: two "
+        "`pdserve serve` (cores 0 and 1), requests round-robin over both by the load generator "
+        "(two `--base-url`). pull / push: `pdserve prefill` on core 0, `pdserve decode` on "
+        "core 1, `pdserve proxy --mode pull|push`; proxy and load generator are unpinned.",
+        "- Workload A: random token-id prompts, 1024 in / 64 out (ignore_eos), Poisson "
+        "arrivals. Mixed: 90% 64 in / 64 out, 10% 1024 in / 64 out. Fresh prompts per run "
+        "(no prefix-cache hits).",
+        "- Latencies in ms, measured by `pdserve bench serve` on the client. Goodput = "
+        "requests/s meeting every SLO: " + (", ".join(f"{k} ≤ {v:g} ms"
+                                                       for k, v in slos.items()) or "—") + ".",
+        "- Proxy overhead: push deployment, one request at a time, 64 in / 8 out; median TTFT "
+        "through the proxy minus median TTFT when the load generator sends the same P leg and "
+        "D leg itself (`bench serve --pd-prefill-url/--pd-decode-url`): same engines, same "
+        "legs, without the proxy's HTTP hop. Two alternating rounds each, pooled.",
+        "",
+        "## Goals",
+        "",
+        *goal_rows,
+        "",
+        "## Serving results",
+        "",
+        *serving_table(runs),
+        "",
+    ]
+    if plot_name:
+        out += [f"![TTFT and ITL CDFs]({plot_name})", ""]
+    out += ["## KV transfer microbenchmark (`pdserve bench transfer --num-tokens 2048`)", "",
+            *transfer_section(runs["transfer"]), "",
+            "## Proxy overhead", "", *overhead_section(runs), "",
+            "<!-- numbers: " + json.dumps(numbers) + " -->", ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.bench.report", description=__doc__)
+    parser.add_argument("--raw", required=True, help="the script's raw results directory")
+    parser.add_argument("--out", required=True, help="markdown file to write")
+    parser.add_argument("--plot", default=None, help="PNG to write")
+    parser.add_argument("--model", default=None, help="model directory (for its shape)")
+    args = parser.parse_args(argv)
+    runs = load_runs(args.raw)
+    plot_name = None
+    if args.plot:
+        try:
+            plot(runs, args.plot)
+            plot_name = os.path.relpath(args.plot, os.path.dirname(os.path.abspath(args.out)))
+        except ImportError as exc:
+            print(f"no plot ({exc}); install matplotlib")
+    with open(args.out, "w") as f:
+        f.write(render(runs, args.model, plot_name))
+    print(open(args.out).read())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,178 @@
+#!/usr/bin/env bash
+# Where P/D push stands, in one run: colocated vs 1P1D pull vs 1P1D push on the same model and
+# the same workloads, the KV transfer microbenchmark and the proxy's own overhead.
+#
+#   scripts/bench_pd.sh [OUT_DIR]        (default bench/results; ~15-20 min on 2 cores)
+#   SCALE=0.25 scripts/bench_pd.sh /tmp/x   (fewer prompts: a smoke run)
+#
+# Systems (each engine pinned to ONE core with taskset and OMP_NUM_THREADS=1; the proxy and the
+# load generator are not pinned and share both cores):
+#   colocated  two `pdserve serve` engines (core 0, core 1); `pdserve bench serve` spreads the
+#              requests round-robin over both (two --base-url), as a stateless load balancer
+#              would: no proxy process in the path
+#   pull       `pdserve prefill` (core 0) + `pdserve decode` (core 1), NixlConnector,
+#              `pdserve proxy --mode pull`
+#   push       same with NixlPushConnector and `pdserve proxy --mode push`
+# Workloads (random token-id prompts, ignore_eos, exact lengths; a fresh seed per run so no
+# prompt is ever a prefix-cache hit):
+#   A   1024 input / 64 output tokens, Poisson arrivals at each rate of $RATES
+#   mix 90% 64-in/64-out (decode-heavy) + 10% 1024-in/64-out (prefill-heavy) at $MIX_RATE
+# Proxy overhead (push deployment, one request at a time, 64-in/8-out): median TTFT through
+#   the proxy minus median TTFT when the load generator sends the P and D legs itself
+#   (`bench serve --pd-prefill-url/--pd-decode-url`): same P, same D, same legs, no proxy hop.
+#   Runs alternate (direct, proxy, direct, proxy) so a load drift hits both.
+# Output: $OUT/pd_bench.md (tables, goals), $OUT/pd_bench.png (TTFT/ITL CDFs), raw JSON and
+# server logs in $OUT/pd_raw/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BIN=${BIN:-.venv/bin}
+MODEL=${MODEL:-.models/bench-llama}
+OUT=${1:-bench/results}
+RAW=$OUT/pd_raw
+SCALE=${SCALE:-1}
+RATES=${RATES:-"0.2 0.4 0.6"}
+MIX_RATE=${MIX_RATE:-1.0}
+MIX_PROMPTS=${MIX_PROMPTS:-60}
+SECONDS_PER_RATE=${SECONDS_PER_RATE:-50}   # num-prompts = max(8, rate * this) for workload A
+OVERHEAD_PROMPTS=${OVERHEAD_PROMPTS:-20}
+GOODPUT=${GOODPUT:-"ttft:2500 tpot:100"}
+PORT_BASE=${PORT_BASE:-18100}
+NUM_BLOCKS=${NUM_BLOCKS:-2048}
+SYSTEMS=${SYSTEMS:-"colocated pull push"}
+export OMP_NUM_THREADS=1
+
+mkdir -p "$RAW/logs"
+rm -f "$RAW"/*.json "$RAW"/loadavg.txt
+PIDS=()
+
+log() { echo "[bench_pd $(date +%H:%M:%S)] $*" >&2; }
+loadavg() { echo "$1 $(cut -d' ' -f1-3 /proc/loadavg)" >> "$RAW/loadavg.txt"; }
+scaled() { "$BIN/python" -c "import sys; print(max(int(sys.argv[3]), round(float(sys.argv[1]) * float(sys.argv[2]))))" "$@"; }
+
+stop_all() {
+    # SIGTERM the servers this script started (each shuts its EngineCore down), then SIGKILL
+    # whatever of them or their children is left.
+    local pid kids=()
+    for pid in "${PIDS[@]}"; do
+        kids+=($(pgrep -P "$pid" || true))
+        kill -TERM "$pid" 2>/dev/null || true
+    done
+    for _ in $(seq 60); do
+        local alive=0
+        for pid in "${PIDS[@]}" "${kids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+        [ $alive = 0 ] && break
+        sleep 0.5
+    done
+    for pid in "${PIDS[@]}" "${kids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+    PIDS=()
+}
+trap stop_all EXIT INT TERM
+
+start() {  # start NAME CORE|- CMD... : in the background, pid in LAST_PID, log in logs/NAME.log
+    local name=$1 core=$2; shift 2
+    if [ "$core" = "-" ]; then
+        "$@" > "$RAW/logs/$name.log" 2>&1 &
+    else
+        taskset -c "$core" "$@" > "$RAW/logs/$name.log" 2>&1 &
+    fi
+    LAST_PID=$!
+    PIDS+=("$LAST_PID")
+}
+
+wait_healthy() {  # wait_healthy URL PID
+    for _ in $(seq 360); do
+        curl -sf "$1/health" > /dev/null && return 0
+        kill -0 "$2" 2>/dev/null || { log "server for $1 died (see $RAW/logs)"; return 1; }
+        sleep 0.5
+    done
+    log "$1 not healthy after 180 s"; return 1
+}
+
+bench() {  # bench LABEL JSON_NAME ARGS...
+    local label=$1 name=$2; shift 2
+    log "bench $label"
+    "$BIN/pdserve" bench serve --tokenizer "$MODEL" --model bench --disable-tqdm \
+        --goodput $GOODPUT --save-detailed --label "$label" \
+        --result-json "$RAW/$name.json" "$@" > "$RAW/logs/bench_$name.txt" 2>&1 \
+        || { log "bench $label failed:"; tail -5 "$RAW/logs/bench_$name.txt" >&2; }
+    loadavg "$name"
+}
+
+SERVE_ARGS=(--served-model-name bench --num-kv-blocks "$NUM_BLOCKS" --max-model-len 2048
+            --log-level warning)
+
+start_system() {  # sets TARGET (bench serve target args) and P_URL/D_URL for P/D systems
+    local sys=$1 e0=$((PORT_BASE)) e1=$((PORT_BASE + 1)) px=$((PORT_BASE + 2))
+    local k0=$((PORT_BASE + 10)) k1=$((PORT_BASE + 11)) a b
+    case $sys in
+    colocated)
+        start colo0 0 "$BIN/pdserve" serve "$MODEL" --port $e0 "${SERVE_ARGS[@]}"; a=$LAST_PID
+        start colo1 1 "$BIN/pdserve" serve "$MODEL" --port $e1 "${SERVE_ARGS[@]}"; b=$LAST_PID
+        wait_healthy "http://127.0.0.1:$e0" "$a"; wait_healthy "http://127.0.0.1:$e1" "$b"
+        TARGET=(--base-url "http://127.0.0.1:$e0" --base-url "http://127.0.0.1:$e1")
+        ;;
+    pull|push)
+        local conn=NixlConnector; [ "$sys" = push ] && conn=NixlPushConnector
+        start "${sys}_prefill" 0 "$BIN/pdserve" prefill "$MODEL" --port $e0 \
+            --kv-port $k0 --kv-connector $conn --engine-id P0 "${SERVE_ARGS[@]}"; a=$LAST_PID
+        start "${sys}_decode" 1 "$BIN/pdserve" decode "$MODEL" --port $e1 \
+            --kv-port $k1 --kv-connector $conn --engine-id D0 "${SERVE_ARGS[@]}"; b=$LAST_PID
+        P_URL="http://127.0.0.1:$e0"; D_URL="http://127.0.0.1:$e1"
+        wait_healthy "$P_URL" "$a"; wait_healthy "$D_URL" "$b"
+        start "${sys}_proxy" - "$BIN/pdserve" proxy --prefill "$P_URL" --decode "$D_URL" \
+            --mode "$sys" --port $px --log-level warning; a=$LAST_PID
+        wait_healthy "http://127.0.0.1:$px" "$a"
+        TARGET=(--base-url "http://127.0.0.1:$px")
+        ;;
+    *) log "unknown system $sys"; exit 2 ;;
+    esac
+}
+
+test -f "$MODEL/config.json" || "$BIN/pdserve" make-tiny-model "$MODEL" --size bench --seed 0
+loadavg start
+
+log "transfer microbenchmark (2048 tokens)"
+"$BIN/pdserve" bench transfer --model "$MODEL" --num-tokens 2048 \
+    --result-json "$RAW/transfer.json" > "$RAW/logs/transfer.txt" 2>&1 \
+    || log "transfer benchmark failed (see $RAW/logs/transfer.txt)"
+loadavg transfer
+
+seed=100
+for sys in $SYSTEMS; do
+    log "system $sys: starting"
+    start_system "$sys"
+    for rate in $RATES; do
+        n=$(scaled "$rate" "$(scaled "$SCALE" "$SECONDS_PER_RATE" 1)" 8)
+        seed=$((seed + 1))
+        bench "$sys|A 1024x64|$rate" "${sys}__A_r${rate}" "${TARGET[@]}" \
+            --random-input-len 1024 --random-output-len 64 --request-rate "$rate" \
+            --num-prompts "$n" --seed $seed
+    done
+    seed=$((seed + 1))
+    bench "$sys|mix 90% 64x64 + 10% 1024x64|$MIX_RATE" "${sys}__mix" "${TARGET[@]}" \
+        --random-mix "0.9:64:64,0.1:1024:64" --request-rate "$MIX_RATE" \
+        --num-prompts "$(scaled "$SCALE" "$MIX_PROMPTS" 10)" --seed $seed
+    if [ "$sys" = push ]; then
+        for round in 1 2; do
+            for how in direct proxy; do
+                seed=$((seed + 1))
+                if [ $how = direct ]; then
+                    t=(--pd-prefill-url "$P_URL" --pd-decode-url "$D_URL")
+                else
+                    t=("${TARGET[@]}")
+                fi
+                bench "push|overhead $how|$round" "overhead_${how}_$round" "${t[@]}" \
+                    --random-input-len 64 --random-output-len 8 --max-concurrency 1 \
+                    --num-prompts "$(scaled "$SCALE" "$OVERHEAD_PROMPTS" 5)" --seed $seed
+            done
+        done
+    fi
+    log "system $sys: stopping"
+    stop_all
+done
+loadavg end
+
+"$BIN/python" -m engine.bench.report --raw "$RAW" --out "$OUT/pd_bench.md" \
+    --plot "$OUT/pd_bench.png" --model "$MODEL"
+log "wrote $OUT/pd_bench.md and $OUT/pd_bench.png"
