@@ -31,10 +31,10 @@ MODEL=${MODEL:-.models/bench-llama}
 OUT=${1:-bench/results}
 RAW=$OUT/pd_raw
 SCALE=${SCALE:-1}
-RATES=${RATES:-"0.2 0.4 0.6"}
+RATES=${RATES:-"0.15 0.3 0.5"}
 MIX_RATE=${MIX_RATE:-1.0}
-MIX_PROMPTS=${MIX_PROMPTS:-60}
-SECONDS_PER_RATE=${SECONDS_PER_RATE:-50}   # num-prompts = max(8, rate * this) for workload A
+MIX_PROMPTS=${MIX_PROMPTS:-50}
+SECONDS_PER_RATE=${SECONDS_PER_RATE:-40}   # num-prompts = max(8, rate * this) for workload A
 OVERHEAD_PROMPTS=${OVERHEAD_PROMPTS:-20}
 GOODPUT=${GOODPUT:-"ttft:2500 tpot:100"}
 PORT_BASE=${PORT_BASE:-18100}

@@ -1,8 +1,8 @@
 # Shared by scripts/launch_{prefill,decode,proxy}.sh; sourced, never run.
 #
-# Contract for the sourcing script: it defines `usage` (prints its help to stdout) and sets
-# LAUNCH_NAME before sourcing. Everything here is plain POSIX-ish bash, no side effects at
-# source time other than defining functions and PDSERVE_ROOT.
+# The sourcing script sets LAUNCH_NAME (its name, for messages) first. Sourcing has no side
+# effect beyond defining PDSERVE_ROOT and the functions below. Bad input exits 2 with a
+# message on stderr; nothing is started before every value has been checked.
 
 PDSERVE_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
@@ -48,17 +48,20 @@ report_ucx_env() {
     echo "${LAUNCH_NAME}: UCX environment: ${vars:-<none: UCX picks its transports itself>}" >&2
 }
 
-# print_and_exec DRY_RUN CMD... — show the exact command (shell-quoted) and exec it; with
-# DRY_RUN=1 print it to stdout instead and exit 0.
+# print_and_exec DRY_RUN CMD... — show the exact command (shell-quoted, the value of
+# --api-key masked) and exec it; with DRY_RUN=1 print it to stdout instead and exit 0.
 print_and_exec() {
-    local dry_run="$1"
+    local dry_run="$1" arg prev="" shown=""
     shift
+    for arg in "$@"; do
+        if [[ "$prev" == --api-key ]]; then shown+=" ***"; else shown+=" $(printf '%q' "$arg")"; fi
+        prev="$arg"
+    done
     if [[ "$dry_run" == 1 ]]; then
-        printf '%q ' "$@" | sed 's/ $//'
-        echo
+        echo "${shown# }"
         exit 0
     fi
-    echo "${LAUNCH_NAME}: exec$(printf ' %q' "$@")" >&2
+    echo "${LAUNCH_NAME}: exec${shown}" >&2
     exec "$@"
 }
 

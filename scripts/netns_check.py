@@ -44,15 +44,19 @@ PROMPTS = [
 ]
 
 
+# Straight to the namespaces' addresses, whatever *_proxy variables the caller has set.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=TIMEOUT_S) as r:
+    with _OPENER.open(url, timeout=TIMEOUT_S) as r:
         return r.read().decode()
 
 
 def _post(url: str, body: dict[str, Any]) -> bytes:
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=TIMEOUT_S) as r:
+    with _OPENER.open(req, timeout=TIMEOUT_S) as r:
         return r.read()
 
 

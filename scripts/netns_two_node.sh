@@ -131,27 +131,36 @@ fi
 [[ -f "$MODEL/config.json" ]] || { log "$MODEL is not a model directory (no config.json)"; exit 1; }
 
 # --- processes ------------------------------------------------------------------------------
-# in_ns NS LOG VAR=VALUE... -- CMD...: run CMD in NS, in the background, with only UCX over
-# TCP on that namespace's veth (inherited UCX_* settings are dropped so they cannot interfere).
+# in_ns NS LOG VAR=VALUE... -- CMD...: run CMD in NS, in the background. The caller's UCX_*
+# settings and the launch scripts' variables (P_*, D_*, PROXY_*, MODEL, ...) are dropped so
+# that only what this script sets reaches the engines.
+SCRUB='^(UCX_[A-Za-z0-9_]+|P_[A-Z_]+|D_[A-Z_]+|PROXY_[A-Z_]+|MODEL|KV_CONNECTOR'
+SCRUB+='|SERVED_MODEL_NAME|PDSERVE_EXTRA_ARGS|PDSERVE_API_KEY|[A-Za-z]+_(PROXY|proxy))$'
 in_ns() {
     local ns="$1" logf="$2"
     shift 2
-    local -a vars=()
+    local -a vars=() drop=()
     while [[ "$1" != -- ]]; do [[ -z "$1" ]] || vars+=("$1"); shift; done
     shift
-    local -a drop=()
     local v
-    for v in $(env | grep -oE '^UCX_[A-Za-z0-9_]+' || true); do drop+=(-u "$v"); done
+    for v in $(compgen -e | grep -E "$SCRUB" || true); do drop+=(-u "$v"); done
     [[ -z "$UCX_TLS_USED" ]] || vars=(UCX_TLS="$UCX_TLS_USED" "${vars[@]}")
     ip netns exec "$ns" env "${drop[@]}" OMP_NUM_THREADS=1 "${vars[@]}" "$@" \
         >"$WORK/$logf" 2>&1 &
 }
 
+# alive PID: the process runs (an exited child stays a zombie until reaped: not alive).
+alive() {
+    local state
+    state="$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1)"
+    [[ -n "$state" && "$state" != Z ]]
+}
+
 # wait_healthy NS URL PID WHAT: until GET URL/health answers 200 from inside NS.
 wait_healthy() {
     local ns="$1" url="$2" pid="$3" what="$4" deadline=$((SECONDS + START_TIMEOUT))
-    until ip netns exec "$ns" curl -sf -o /dev/null --max-time 2 "$url/health"; do
-        kill -0 "$pid" 2>/dev/null || { log "$what exited during start-up"; exit 1; }
+    until ip netns exec "$ns" curl -sf --noproxy '*' -o /dev/null --max-time 2 "$url/health"; do
+        alive "$pid" || { log "$what exited during start-up"; exit 1; }
         ((SECONDS < deadline)) || { log "$what not healthy after ${START_TIMEOUT}s"; exit 1; }
         sleep 0.5
     done
@@ -192,7 +201,7 @@ wait_healthy "$NS_D" "http://$IP_D:$PROXY_PORT" "$PID_PROXY" "proxy ($NS_D)"
 
 # --- checks ---------------------------------------------------------------------------------
 # In the background + wait, so a TERM to this script runs the trap without waiting for it.
-ip netns exec "$NS_D" "$PYTHON" "$ROOT/scripts/netns_check.py" \
+ip netns exec "$NS_D" env -u PDSERVE_API_KEY "$PYTHON" "$ROOT/scripts/netns_check.py" \
     --proxy "http://$IP_D:$PROXY_PORT" --prefill "http://$IP_P:$P_PORT" \
     --decode "http://$IP_D:$D_PORT" --reference "http://127.0.0.1:$REF_PORT" \
     --p-kv-host "$IP_P" --veth "$VETH_D" --model "$SERVED" &

@@ -10,12 +10,14 @@ permitted, with the probe's error as the reason.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import signal
 import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,21 +62,48 @@ def _run_bounded(argv: list[str], timeout: float, **kw) -> tuple[int, str]:
     return proc.returncode, out
 
 
-def test_two_node_over_veth_matches_colocated_and_moves_the_kv(tiny_model: str):
+def _assert_torn_down(out: str, marker: str) -> None:
+    """The trap removed the namespaces the run created (named in its output) and every
+    process whose command line holds ``marker``."""
+    leftovers = [line for line in _namespaces().splitlines()
+                 if line.startswith(("pdserve-p-", "pdserve-d-")) and line.split()[0] in out]
+    assert not leftovers, f"namespaces left behind: {leftovers}"
+    procs = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if any(marker in arg for arg in p.info["cmdline"] or ()):
+            procs.append((p.info["pid"], p.info["cmdline"][:4]))
+    assert not procs, f"processes left behind: {procs}"
+
+
+@pytest.fixture
+def netns_allowed() -> None:
     reason = _netns_probe()
     if reason is not None:
         pytest.skip(reason)
+
+
+def test_two_node_over_veth_matches_colocated_and_moves_the_kv(netns_allowed, tiny_model):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    rc, out = _run_bounded([str(NETNS), tiny_model], SCRIPT_TIMEOUT_S, env=env)
+    proc_rc, out = _run_bounded([str(NETNS), tiny_model], SCRIPT_TIMEOUT_S, env=env)
     print(out)
-    assert rc == 0, f"netns_two_node.sh exited {rc}:\n{out}"
+    assert proc_rc == 0, f"netns_two_node.sh exited {proc_rc}:\n{out}"
     assert "netns_check: all checks passed" in out
     assert "FAIL" not in out
-    # The trap removed the namespaces this run created (their names carry the script's pid).
-    leftovers = [line for line in _namespaces().splitlines()
-                 if line.startswith(("pdserve-p-", "pdserve-d-")) and line.split()[0]
-                 in out]
-    assert not leftovers, f"namespaces left behind: {leftovers}"
+    tag = re.search(r"namespaces pdserve-p-(\d+)", out).group(1)
+    _assert_torn_down(out, f"P-{tag}")
+    _assert_torn_down(out, f"D-{tag}")
+
+
+def test_a_failed_start_still_tears_everything_down(netns_allowed, tmp_path):
+    broken = tmp_path / "broken-model"  # config.json but no weights or tokenizer
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    rc, out = _run_bounded([str(NETNS), str(broken)], SCRIPT_TIMEOUT_S)
+    assert rc == 1, out
+    assert "exited during start-up" in out
+    assert "logs kept in" in out
+    _assert_torn_down(out, str(broken))
+    shutil.rmtree(out.split("logs kept in ")[1].split()[0], ignore_errors=True)
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
@@ -163,3 +192,11 @@ def test_every_script_prints_usage(script):
                        timeout=30)
     assert r.returncode == 0
     assert "Usage:" in r.stdout or "usage" in r.stdout.lower()
+
+
+def test_launch_proxy_passes_the_api_key_but_never_prints_it():
+    r = _dry_run("launch_proxy.sh", "--dry-run", P_HOST="p", D_HOST="d",
+                 PDSERVE_API_KEY="s3cret-key")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[-2:] == ["--api-key", "***"]
+    assert "s3cret-key" not in r.stdout + r.stderr
