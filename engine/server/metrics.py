@@ -39,6 +39,13 @@ TRANSFER_COUNTERS: dict[str, str] = {
     "kv_recv_failed_total": "Requests whose remote KV could not be received.",
     "kv_recompute_fallback_total": "Requests that fell back to computing the prompt locally.",
     "kv_remote_prefill_tokens_total": "Prompt tokens D received instead of computing.",
+    "kv_push_fail_sent_total": "PUSH_FAIL notifications P sent (it will not write).",
+    "kv_malformed_notifs_total": "Malformed KV notifications counted and dropped.",
+    "kv_malformed_side_channel_total": "Malformed side-channel requests counted and dropped.",
+    "kv_pull_reads_total": "KV READs D completed from P (pull mode).",
+    "kv_pull_leases_total": "Block leases P granted for pull reads.",
+    "kv_pull_leases_returned_total": "Pull leases D returned to P.",
+    "kv_pull_refused_params_total": "Pull transfer params D refused (stale or mismatched).",
 }
 TRANSFER_SECONDS = "kv_transfer_seconds"
 

@@ -75,7 +75,8 @@ class PullWorker(KVConnectorWorker):
         peers = Peers(self._fetch, t.add_peer, wake, clock)
         lender = Lender(clock, lease=self.lease, stats=self.stats)
         reader = Reader(t, peers, clock, hb_interval=self.hb_interval,
-                        bytes_per_block=self.spec.bytes_per_block, stats=self.stats)
+                        bytes_per_block=self.spec.bytes_per_block, stats=self.stats,
+                        stall_warning_s=self.lease)
         self.thread = PullThread(t, peers, lender, reader, wake, clock)
         self.thread.start()
         logger.info("pull connector %s ready: side channel %s:%d", ep.engine_id, ep.host,

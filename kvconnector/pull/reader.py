@@ -10,6 +10,10 @@ Owned by the pull thread. Per request: claim (queued on D, heartbeat P) → read
   is reachable; otherwise P's lease expiry frees them;
 - P's lease is extended (`HB:<P ids>`, every `hb_interval`) while the request waits in D's
   queue, for the handshake, or for its READ.
+A READ is never abandoned while NIXL reports it in flight: D moves the bytes itself, so a
+READ it gave up on could still land in blocks given to another request. A dead P turns the
+READ to ERR within milliseconds; a frozen one keeps it in flight (logged once it outlasts
+`stall_warning_s`) until P resumes or dies, and an aborted request's blocks stay held so.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class Inflight:
     handle: Any
     started: float
     nbytes: int
+    warned: bool = False
 
 
 def _where(claim: Claim) -> str:
@@ -40,13 +45,15 @@ def _where(claim: Claim) -> str:
 
 class Reader:
     def __init__(self, transport: Any, peers: Peers, clock: Callable[[], float], *,
-                 hb_interval: float, bytes_per_block: int, stats: dict[str, float]) -> None:
+                 hb_interval: float, bytes_per_block: int, stats: dict[str, float],
+                 stall_warning_s: float = 30.0) -> None:
         self.t = transport
         self.peers = peers
         self.clock = clock
         self.hb_interval = hb_interval
         self.bytes_per_block = bytes_per_block
         self.stats = stats
+        self.stall_warning_s = stall_warning_s
         self.claims: dict[str, Claim] = {}  # queued on D: heartbeat only
         self.unsent: dict[str, Read] = {}  # waiting for the handshake with P
         self.inflight: dict[str, Inflight] = {}
@@ -129,6 +136,11 @@ class Reader:
         for rid, f in list(self.inflight.items()):
             state = self.t.check(f.handle)
             if state == "PROC":
+                if not f.warned and now - f.started > self.stall_warning_s:
+                    f.warned = True
+                    logger.warning("READ for %s from %s in flight for %.0fs; its blocks stay "
+                                   "held until it ends", rid, _where(f.read.claim),
+                                   now - f.started)
                 continue
             del self.inflight[rid]
             self.t.release(f.handle)

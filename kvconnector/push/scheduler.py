@@ -71,15 +71,17 @@ class PushScheduler(KVConnectorScheduler):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
+        # Marked as asked only once blocks are allocated (update_state_after_alloc): when
+        # allocation fails the scheduler asks again next step and must get the same answer.
         if self._remote_params(request) is None or request.request_id in self._asked:
             return 0, False
-        self._asked.add(request.request_id)
         return request.num_prompt_tokens - num_computed_tokens, True
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int],
                                  num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
+        self._asked.add(request.request_id)
         p = request.kv_transfer_params
         first = (request.num_prompt_tokens - num_external_tokens) // self.block_size
         last = cdiv(request.num_prompt_tokens, self.block_size)
