@@ -95,6 +95,9 @@ class FakeConnector:
         self.pending = False
         self.calls: list[tuple] = []
 
+    def on_request_added(self, request: Request) -> None:
+        self.calls.append(("added", request.request_id))
+
     def get_num_new_matched_tokens(self, request: Request, num_computed: int):
         self.calls.append(("match", request.request_id, num_computed))
         plan = self.remote.pop(request.request_id, None)
