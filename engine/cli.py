@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     module, main_name = args._target
     result = getattr(importlib.import_module(module), main_name)(args)
-    return int(result or 0)
+    return result if isinstance(result, int) else 0
 
 
 if __name__ == "__main__":
