@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 
 from proxy.config import MODES, P_FAILURE_POLICIES, ProxyConfig
@@ -65,9 +66,22 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per leg
-    uvicorn.run(build_app(config), host=config.host, port=config.port,
-                log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
+    sock = _listen_socket(config.host, config.port)
+    uvicorn.run(build_app(config), fd=sock.fileno(), log_level=args.log_level,
+                access_log=False, timeout_graceful_shutdown=5)
     return 0
+
+
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """A bound socket with TCP_NODELAY, which accepted connections inherit: streamed
+    chunks on a keep-alive connection must not wait for the client's delayed ACK."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -17,10 +17,14 @@
 # prompt is ever a prefix-cache hit):
 #   A   1024 input / 64 output tokens, Poisson arrivals at each rate of $RATES
 #   mix 90% 64-in/64-out (decode-heavy) + 10% 1024-in/64-out (prefill-heavy) at $MIX_RATE
-# Proxy overhead (push deployment, one request at a time, 64-in/8-out): median TTFT through
-#   the proxy minus median TTFT when the load generator sends the P and D legs itself
+# Proxy overhead (push deployment, 64-in/8-out, one request at a time, sent about every
+#   1/$OVERHEAD_RATE s so each meets an idle deployment): median TTFT through the proxy minus
+#   median TTFT when the load generator sends the P and D legs itself
 #   (`bench serve --pd-prefill-url/--pd-decode-url`): same P, same D, same legs, no proxy hop.
-#   Runs alternate (direct, proxy, direct, proxy) so a load drift hits both.
+#   Runs alternate (direct, proxy, direct, proxy) so a load drift hits both. Requests are
+#   spaced because a request that arrives right after another one ended currently gets its
+#   tokens late and in one burst (seen with and without the proxy), which would swamp the
+#   few milliseconds being measured.
 # Output: $OUT/pd_bench.md (tables, goals), $OUT/pd_bench.png (TTFT/ITL CDFs), raw JSON and
 # server logs in $OUT/pd_raw/.
 set -euo pipefail
@@ -32,10 +36,11 @@ OUT=${1:-bench/results}
 RAW=$OUT/pd_raw
 SCALE=${SCALE:-1}
 RATES=${RATES:-"0.15 0.3 0.5"}
-MIX_RATE=${MIX_RATE:-1.0}
-MIX_PROMPTS=${MIX_PROMPTS:-50}
+MIX_RATE=${MIX_RATE:-2.0}
+MIX_PROMPTS=${MIX_PROMPTS:-80}
 SECONDS_PER_RATE=${SECONDS_PER_RATE:-40}   # num-prompts = max(8, rate * this) for workload A
 OVERHEAD_PROMPTS=${OVERHEAD_PROMPTS:-20}
+OVERHEAD_RATE=${OVERHEAD_RATE:-0.8}  # near-periodic (burstiness 50), one request at a time
 GOODPUT=${GOODPUT:-"ttft:2500 tpot:100"}
 PORT_BASE=${PORT_BASE:-18100}
 NUM_BLOCKS=${NUM_BLOCKS:-2048}
@@ -93,7 +98,7 @@ bench() {  # bench LABEL JSON_NAME ARGS...
     local label=$1 name=$2; shift 2
     log "bench $label"
     "$BIN/pdserve" bench serve --tokenizer "$MODEL" --model bench --disable-tqdm \
-        --goodput $GOODPUT --save-detailed --label "$label" \
+        --goodput $GOODPUT --save-detailed --label "$label" --metric-percentiles 50,90,99,99.9 \
         --result-json "$RAW/$name.json" "$@" > "$RAW/logs/bench_$name.txt" 2>&1 \
         || { log "bench $label failed:"; tail -5 "$RAW/logs/bench_$name.txt" >&2; }
     loadavg "$name"
@@ -164,6 +169,7 @@ for sys in $SYSTEMS; do
                 fi
                 bench "push|overhead $how|$round" "overhead_${how}_$round" "${t[@]}" \
                     --random-input-len 64 --random-output-len 8 --max-concurrency 1 \
+                    --request-rate "$OVERHEAD_RATE" --burstiness 50 \
                     --num-prompts "$(scaled "$SCALE" "$OVERHEAD_PROMPTS" 5)" --seed $seed
             done
         done

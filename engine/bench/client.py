@@ -126,7 +126,8 @@ async def send_completion(client: httpx.AsyncClient, url: str, payload: dict[str
                 return result
             await _read_stream(resp, result, sent)
         result.success = True
-    except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+    except (httpx.HTTPError, RuntimeError, ValueError, TypeError, KeyError,
+            AttributeError) as exc:  # a malformed event is a failed request, not a crash
         result.error = f"{type(exc).__name__}: {exc}"
     return result
 

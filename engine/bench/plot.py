@@ -17,7 +17,7 @@ def plot_cdf_grid(rows: Grid, path: str, title: str = "") -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     rows = {k: v for k, v in rows.items() if v}
     ncols = max((len(next(iter(r.values()))) for r in rows.values()), default=1)
@@ -33,7 +33,8 @@ def plot_cdf_grid(rows: Grid, path: str, title: str = "") -> None:
                     continue
                 ax.plot(values, np.arange(1, values.size + 1) / values.size, label=label)
             ax.set_xscale("log")
-            ax.xaxis.set_major_formatter(ScalarFormatter())
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+            ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_xlabel(f"{metric} (ms, log scale)")
             ax.set_ylabel("fraction ≤ x")
             ax.set_title(f"{row_title}: {metric} CDF" if row_title else f"{metric} CDF")

@@ -97,15 +97,15 @@ def _row(system: str, workload: str, rate: Any, r: dict[str, Any]) -> str:
     good = r.get("request_goodput")
     return (f"| {system} | {workload} | {rate} | {r['completed']}/{r['failed']} | "
             f"{_ms(r['median_ttft_ms'])} | {_ms(r['p99_ttft_ms'])} | "
-            f"{_ms(r['median_itl_ms'])} | {_ms(r['p99_itl_ms'])} | "
+            f"{_ms(r['median_itl_ms'])} | {_ms(r['p99_itl_ms'])} | {_ms(r.get('p99_9_itl_ms'))} | "
             f"{_ms(r['median_tpot_ms'])} | {'—' if good is None else f'{good:.2f}'} | "
             f"{r['request_throughput']:.2f} | {r['output_throughput']:.1f} |")
 
 
 def serving_table(runs: dict[str, Any]) -> list[str]:
     lines = ["| system | workload | rate (req/s) | done/failed | TTFT p50 | TTFT p99 | "
-             "ITL p50 | ITL p99 | TPOT p50 | goodput (req/s) | req/s | out tok/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ITL p50 | ITL p99 | ITL p99.9 | TPOT p50 | goodput (req/s) | req/s | out tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rates = sorted({rate for per in runs["A"].values() for rate in per})
     for rate in rates:
         for system in SYSTEMS:
@@ -243,6 +243,15 @@ def plot(runs: dict[str, Any], path: str) -> None:
 # ---- main ---------------------------------------------------------------------------------
 
 
+def _run_date(runs: dict[str, Any]) -> str:
+    """When the run started (its first benchmark's date), else now."""
+    dates = [r["date"] for per in runs["A"].values() for r in per.values() if "date" in r]
+    dates += [r["date"] for r in runs["mix"].values() if "date" in r]
+    if dates:
+        return min(dates).replace("T", " ").replace("Z", " UTC")
+    return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
 def render(runs: dict[str, Any], model_dir: str | None, plot_name: str | None) -> str:
     m = machine_info()
     goal_rows, numbers = goals(runs)
@@ -252,7 +261,7 @@ def render(runs: dict[str, Any], model_dir: str | None, plot_name: str | None) -
     out = [
         "# P/D benchmark: colocated vs 1P1D pull vs 1P1D push",
         "",
-        f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- date: {_run_date(runs)}",
         f"- machine: `nproc` = {m['nproc']}, CPU: {m['cpu']}, kernel {m['kernel']}, "
         f"Python {m['python']}",
         "- load average (1m 5m 15m) by phase: "
@@ -272,10 +281,11 @@ def render(runs: dict[str, Any], model_dir: str | None, plot_name: str | None) -
         "- Latencies in ms, measured by `pdserve bench serve` on the client. Goodput = "
         "requests/s meeting every SLO: " + (", ".join(f"{k} ≤ {v:g} ms"
                                                        for k, v in slos.items()) or "—") + ".",
-        "- Proxy overhead: push deployment, one request at a time, 64 in / 8 out; median TTFT "
-        "through the proxy minus median TTFT when the load generator sends the same P leg and "
-        "D leg itself (`bench serve --pd-prefill-url/--pd-decode-url`): same engines, same "
-        "legs, without the proxy's HTTP hop. Two alternating rounds each, pooled.",
+        "- Proxy overhead: push deployment, 64 in / 8 out, one request at a time, spaced "
+        "(near-periodic arrivals) so each meets an idle deployment; median TTFT through the "
+        "proxy minus median TTFT when the load generator sends the same P leg and D leg itself "
+        "(`bench serve --pd-prefill-url/--pd-decode-url`): same engines, same legs, without "
+        "the proxy's HTTP hop. Two alternating rounds each, pooled.",
         "",
         "## Goals",
         "",

@@ -54,7 +54,12 @@ class AsyncMPClient(MPClientBase):
         try:
             while self._dead is None:
                 if await self._out.poll(timeout=POLL_MS):
-                    self._dispatch(await self._out.recv_multipart(copy=False))
+                    # Drain everything queued: the socket's FD is edge-triggered, so after
+                    # one recv a second queued message would wait for the next arrival (or
+                    # the poll timeout) and reach the client late, in a burst.
+                    sock = self.core.output_socket
+                    while sock.poll(timeout=0):
+                        self._dispatch(sock.recv_multipart(copy=False))
                 elif self._exited.is_set():
                     sock = self.core.output_socket
                     while sock.poll(timeout=0):

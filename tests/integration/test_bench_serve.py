@@ -1,6 +1,7 @@
 """`pdserve bench serve` against real servers: the JSON it writes is complete and consistent
-with what was sent, round-robin really alternates targets, and the proxy-less P/D mode really
-moves KV. The pure parts (workload mix, arrivals, statistics, goodput) are checked directly."""
+with what was sent, round-robin really alternates targets, and the proxy-less P/D mode (the
+proxy-overhead baseline) really moves KV from P to D. The pure parts (workload mix,
+arrivals, statistics, goodput) are checked directly."""
 
 from __future__ import annotations
 
@@ -118,27 +119,21 @@ def test_bad_arguments_are_an_error_not_a_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_pd_direct_mode_moves_kv_like_the_proxy(tiny_model, tmp_path):
-    from tests.pd_harness import deployment, metric
+def test_pd_direct_mode_moves_kv_without_a_proxy(tiny_model, tmp_path):
+    from pd_harness import deployment, metric
 
-    with deployment(tiny_model, "push", num_blocks=256) as dep:
+    with deployment(tiny_model, "push", num_blocks=256, with_proxy=False) as dep:
         before = metric(dep.d, "pdserve:kv_remote_prefill_tokens_total")
-        direct, proc = bench(tmp_path, "--pd-prefill-url", dep.p.url, "--pd-decode-url",
-                             dep.d.url, "--tokenizer", tiny_model, "--model", "m",
-                             "--num-prompts", "3", "--random-input-len", "48",
-                             "--random-output-len", "4", "--max-concurrency", "1",
-                             "--num-warmups", "0", name="direct.json")
+        r, proc = bench(tmp_path, "--pd-prefill-url", dep.p.url, "--pd-decode-url", dep.d.url,
+                        "--tokenizer", tiny_model, "--model", "m", "--num-prompts", "3",
+                        "--random-input-len", "48", "--random-output-len", "4",
+                        "--max-concurrency", "1", "--num-warmups", "0")
         assert proc.returncode == 0, proc.stderr + proc.stdout
         moved = metric(dep.d, "pdserve:kv_remote_prefill_tokens_total") - before
-        proxied, proc = bench(tmp_path, "--base-url", dep.proxy.url, "--tokenizer", tiny_model,
-                              "--model", "m", "--num-prompts", "3", "--random-input-len", "48",
-                              "--random-output-len", "4", "--num-warmups", "0", "--seed", "9",
-                              name="proxy.json")
-    assert (direct["completed"], direct["failed"]) == (3, 0)
-    assert direct["total_output_tokens"] == 12
+    assert (r["completed"], r["failed"]) == (3, 0)
+    assert r["total_output_tokens"] == 12
     # D received every prompt token but the last one of each request from P
     assert moved == 3 * 47
-    assert (proxied["completed"], proxied["failed"]) == (3, 0)
 
 
 # ---- pure parts ---------------------------------------------------------------------------
@@ -190,3 +185,36 @@ def _has_matplotlib() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_report_computes_goals_and_marks_missing_inputs(tmp_path):
+    from engine.bench import report
+
+    def run(ttft: float, gap: float, rate: float) -> dict:
+        rs = [RequestResult("1024x64", 1024, success=True, output_tokens=3, ttft=ttft,
+                            latency=ttft + 2 * gap, itl=[gap, gap])]
+        out = summarize(rs, 10.0)
+        out.update(request_rate=rate, ttfts=[ttft], itls=[[gap, gap]], errors=[""],
+                   kinds=["1024x64"])
+        return out
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    files = {"push__A_r0.5": run(0.7, 0.05, 0.5), "pull__A_r0.5": run(1.0, 0.05, 0.5),
+             "push__mix": run(0.2, 0.04, 1.0), "colocated__mix": run(0.2, 0.10, 1.0),
+             "overhead_direct_1": run(0.100, 0.01, 1.0),
+             "overhead_proxy_1": run(0.1015, 0.01, 1.0)}
+    for name, data in files.items():
+        (raw / f"{name}.json").write_text(json.dumps(data))
+    (raw / "loadavg.txt").write_text("start 1.00 0.50 0.20\n")
+    rc = report.main(["--raw", str(raw), "--out", str(tmp_path / "r.md")])
+    assert rc == 0
+    text = (tmp_path / "r.md").read_text()
+    numbers = json.loads(text.split("<!-- numbers: ")[1].split(" -->")[0])
+    assert numbers["push_over_pull_ttft"] == {"0.5": pytest.approx(0.7)}
+    assert numbers["push_over_colocated_p99_itl"] == pytest.approx(0.4)
+    assert numbers["pull_over_colocated_p99_itl"] is None  # no pull mix run
+    assert numbers["proxy_overhead_ms"] == pytest.approx(1.5)
+    assert numbers["transfer_ratio"] is None
+    assert "start: 1.00 0.50 0.20" in text
+    assert text.count("not measured") >= 2
