@@ -57,7 +57,7 @@ class AttentionMetadata:
                 rows.append(s.block_ids[pos // block_size] * self.block_stride
                             + pos % block_size)
         self.write_rows = torch.tensor(rows, dtype=torch.long, device=device)
-        # Decodes (q_len == 1) are batched into one padded attention call.
+        # Decodes (q_len == 1) are batched into padded attention calls, by length.
         self.decode_spans = [s for s in spans if s.q_len == 1]
         self.prefill_spans = [s for s in spans if s.q_len > 1]
         self._build_decode_tables(device)
@@ -71,24 +71,40 @@ class AttentionMetadata:
         return blocks * self.chunks_per_block
 
     def _build_decode_tables(self, device: torch.device) -> None:
-        spans = self.decode_spans
-        if not spans:
-            return
+        """Group decodes of similar length (each group's longest context at most twice its
+        shortest, plus a block): padding every decode to the batch's longest context would
+        make one long request multiply the KV every short one copies."""
         bs = self.block_size
+        order = sorted(self.decode_spans, key=lambda s: s.ctx_len)
+        self.decode_groups: list[DecodeGroup] = []
+        group: list[SeqSpan] = []
+        for s in order:
+            if group and s.ctx_len > 2 * group[0].ctx_len + bs:
+                self.decode_groups.append(DecodeGroup(group, bs, self.chunks_per_block, device))
+                group = []
+            group.append(s)
+        if group:
+            self.decode_groups.append(DecodeGroup(group, bs, self.chunks_per_block, device))
+
+
+class DecodeGroup:
+    """Decodes batched into one padded attention call."""
+
+    def __init__(self, spans: list[SeqSpan], bs: int, chunks_per_block: int,
+                 device: torch.device) -> None:
         max_blocks = max((s.ctx_len + bs - 1) // bs for s in spans)
         table = torch.zeros(len(spans), max_blocks, dtype=torch.long)
         for i, s in enumerate(spans):
             n = (s.ctx_len + bs - 1) // bs
             table[i, :n] = torch.tensor(s.block_ids[:n], dtype=torch.long)
-        self.decode_chunks = table.to(device) * self.chunks_per_block  # layer-0 K chunks
-        self.decode_shape = (len(spans), max_blocks * bs)
+        self.chunks = table.to(device) * chunks_per_block  # layer-0 K chunks
         lens = [s.ctx_len for s in spans]
-        self.decode_ctx = lens[0] if len(set(lens)) == 1 else None  # equal: no mask needed
+        self.ctx = lens[0] if len(set(lens)) == 1 else None  # all equal: slice, no mask
         ctx = torch.tensor(lens, device=device)
         keys = torch.arange(max_blocks * bs, device=device)
         # [B, 1, 1, S]: True where the key is inside the sequence's context.
-        self.decode_mask = (keys[None, :] < ctx[:, None])[:, None, None, :]
-        self.decode_rows = torch.tensor([s.q_start for s in spans], device=device)
+        self.mask = (keys[None, :] < ctx[:, None])[:, None, None, :]
+        self.rows = torch.tensor([s.q_start for s in spans], device=device)
 
 
 class PagedAttention:
@@ -113,8 +129,8 @@ class PagedAttention:
         out = torch.empty_like(q)
         for s in m.prefill_spans:
             out[s.q_start:s.q_start + s.q_len] = self._prefill(layer, s, q, k, v)
-        if m.decode_spans:
-            out[m.decode_rows] = self._decode(layer, q[m.decode_rows])
+        for g in m.decode_groups:
+            out[g.rows] = self._decode(layer, g, q[g.rows])
         return out
 
     def _read(self, chunks: torch.Tensor, layer: int, dtype: torch.dtype
@@ -148,12 +164,11 @@ class PagedAttention:
         )
         return o.squeeze(0).transpose(0, 1)
 
-    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        m = self.meta
-        k, v = self._read(m.decode_chunks, layer, q.dtype)  # [B, S, KV, D]
-        mask = m.decode_mask
-        if m.decode_ctx is not None:  # every sequence has the same context: slice, no mask
-            k, v, mask = k[:, :m.decode_ctx], v[:, :m.decode_ctx], None
+    def _decode(self, layer: int, g: DecodeGroup, q: torch.Tensor) -> torch.Tensor:
+        k, v = self._read(g.chunks, layer, q.dtype)  # [B, S, KV, D]
+        mask = g.mask
+        if g.ctx is not None:
+            k, v, mask = k[:, :g.ctx], v[:, :g.ctx], None
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
             scale=self.scale, enable_gqa=True,

@@ -50,7 +50,9 @@ class Peers:
         stale = (state is not None and state.status == "failed"
                  and self._clock() - state.failed_at >= self._retry_after)
         if state is None or stale:
-            state = PeerState("pending")
+            # A retry keeps the agent name: NIXL still holds that agent, and a PUSH_CANCEL
+            # must still reach it (see `known_agent`).
+            state = PeerState("pending", agent_name=state.agent_name if state else None)
             self._peers[addr] = state
             future = self._pool.submit(self._fetch, addr[0], addr[1])
             future.add_done_callback(lambda f, a=addr: self._on_done(a, f))
@@ -80,6 +82,15 @@ class Peers:
                     exc = e
             state.status, state.reason, state.failed_at = "failed", str(exc), self._clock()
             logger.warning("handshake with %s:%d failed: %s", *addr, exc)
+
+    def known_agent(self, addr: Address) -> str | None:
+        """The NIXL agent loaded for this peer, whatever its status now (or None).
+
+        A peer marked failed for not answering may only be frozen or partitioned: messages
+        that must not be lost (PUSH_CANCEL) still go to it and are delivered, in order,
+        if it ever comes back."""
+        state = self._peers.get(addr)
+        return state.agent_name if state is not None else None
 
     def mark_failed(self, addr: Address, reason: str) -> None:
         state = self._peers.setdefault(addr, PeerState("failed"))

@@ -190,11 +190,13 @@ class Receiver:
         if failure and rid not in self.released:
             self.failed_recving[rid] = failure
             self.stats["kv_recv_failed_total"] += 1
-        peer = self.peers.get(w.addr)
-        if peer.status == "ready":
+        # Also to a peer declared dead: one that was only frozen or cut off gets the cancel
+        # right after our PUSH_REG (same agent pair, in order) and never writes; the
+        # quarantine deadline alone would not hold against a P that wakes up late.
+        agent = self.peers.known_agent(w.addr)
+        if agent is not None:
             try:
-                self.t.send_notif(peer.agent_name,
-                                  wire.encode_push_cancel(rid, w.reg.transfer_id))
+                self.t.send_notif(agent, wire.encode_push_cancel(rid, w.reg.transfer_id))
             except Exception as e:  # noqa: BLE001 - the deadline still bounds the quarantine
                 logger.warning("PUSH_CANCEL for %s to %s:%d failed: %s", rid, *w.addr, e)
 

@@ -100,9 +100,11 @@ class Sender:
         else:
             self._tombstone(transfer_id, request_id)
 
-    def on_registration(self, reg: Any) -> None:
+    def on_registration(self, reg: Any, received_at: float | None = None) -> None:
+        """`received_at`: the earliest time the registration may have arrived (the writer
+        passes its previous notification drain); the ttl counts from there."""
         self.stats.add("kv_push_registrations_received_total")
-        pending = PendingReg(reg, self.clock())
+        pending = PendingReg(reg, self.clock() if received_at is None else received_at)
         self.peers.get(pending.addr)  # start the reverse handshake early
         for key in (reg.transfer_id, wire.base_request_id(reg.request_id)):
             if key and key in self.tombstones:
@@ -120,7 +122,13 @@ class Sender:
             if staged.blocks.transfer_id in wanted:
                 staged.lease_deadline = max(staged.lease_deadline, deadline)
 
-    def on_cancel(self, d_request_id: str, transfer_id: str) -> None:
+    def on_cancel(self, d_request_id: str, transfer_id: str, agent: str | None = None) -> None:
+        """D gave up. ACK once no WRITE for it can land: now, unless one is in flight.
+
+        `agent` is the NIXL agent the cancel came from. A registration P no longer (or never)
+        holds is acknowledged to it directly when P knows that agent: its WRITE is over, or
+        the tombstone refuses a late PUSH_REG. Without the ACK, D would quarantine the blocks
+        for 2 * ttl (e.g. after a lost completion)."""
         for w in self.inflight.values():
             if w.reg.reg.request_id == d_request_id:
                 w.ack_cancel = True  # acknowledged once the WRITE is over
@@ -131,12 +139,17 @@ class Sender:
             if staged.matched and pending and self._same(staged.blocks, pending.reg):
                 staged.matched = False
         self._tombstone(transfer_id, d_request_id)
-        addr = pending.addr if pending else None
-        if addr is not None:
-            self._send(addr, wire.encode_push_cancel_ack(d_request_id, transfer_id))
+        ack = wire.encode_push_cancel_ack(d_request_id, transfer_id)
+        if pending is not None:
+            self._send(pending.addr, ack)
+        elif agent is not None and agent in self.t.peers():
+            try:
+                self.t.send_notif(agent, ack)
+            except Exception as e:  # noqa: BLE001 - D's quarantine deadline still holds
+                logger.warning("PUSH_CANCEL_ACK for %s to %s failed: %s", d_request_id, agent, e)
         else:
-            logger.info("cancel for unknown registration %s (transfer %s)", d_request_id,
-                        transfer_id)
+            logger.info("cancel for unknown registration %s (transfer %s) from unknown agent "
+                        "%s: no ack", d_request_id, transfer_id, agent)
 
     # --- the poll -----------------------------------------------------------------
     def poll(self) -> None:

@@ -41,6 +41,7 @@ class PushWriter:
         self.inbox: queue.SimpleQueue[PushMeta] = queue.SimpleQueue()
         self.outbox: queue.SimpleQueue[KVConnectorOutput] = queue.SimpleQueue()
         self.malformed = 0
+        self._last_listen = clock()  # when this side last drained its notifications
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="nixl-push-writer", daemon=True)
 
@@ -73,8 +74,17 @@ class PushWriter:
         """One pass: handshakes, scheduler work, inbound notifs, polls, results out."""
         self.peers.apply_finished()
         self._drain_inbox()
-        for _agent, raw in self.t.get_new_notifs():
-            self._dispatch(raw)
+        # A notification first seen now was not there at the previous drain, so it was sent
+        # after about then: date it so. Dating it "now" would let a P that was frozen (or
+        # starved) for longer than the ttl take a stale PUSH_REG for a fresh one and WRITE
+        # into blocks D has long given to other requests.
+        listened, self._last_listen = self._last_listen, self.clock()
+        for agent, raw in self.t.get_new_notifs():
+            try:
+                self._dispatch(raw, listened, agent)
+            except Exception:  # noqa: BLE001 - one bad message must not lose the batch
+                self.malformed += 1
+                logger.exception("notification from %s dropped: %r", agent, raw[:64])
         self.sender.poll()
         self.receiver.poll()
         self._publish()
@@ -98,7 +108,7 @@ class PushWriter:
             for rid, tid in meta.aborted:
                 self.sender.on_aborted(rid, tid)
 
-    def _dispatch(self, raw: bytes) -> None:
+    def _dispatch(self, raw: bytes, seen_after: float, agent: str) -> None:
         try:
             msg = wire.decode_notif(raw)
         except wire.MalformedNotif as e:
@@ -106,11 +116,11 @@ class PushWriter:
             logger.warning("malformed notification dropped (%s): %r", e, raw[:64])
             return
         if isinstance(msg, wire.PushReg):
-            self.sender.on_registration(msg)
+            self.sender.on_registration(msg, received_at=seen_after)
         elif isinstance(msg, wire.Heartbeat):
             self.sender.on_heartbeat(list(msg.transfer_ids))
         elif isinstance(msg, wire.PushCancel):
-            self.sender.on_cancel(msg.request_id, msg.transfer_id)
+            self.sender.on_cancel(msg.request_id, msg.transfer_id, agent)
         elif isinstance(msg, wire.Completion):
             self.receiver.on_completion(msg.request_id)
         elif isinstance(msg, wire.PushFail):

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
-import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 import psutil
-from pd_harness import TEST_ENV, Deployment, engine_stats, metric, role_args, start_proxy
+from pd_harness import TEST_ENV, Deployment, engine_stats, role_args, start_proxy
 
 from engine.server.launcher import ServerProcess, free_port, launch_server
 
@@ -121,12 +121,6 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str, every: float = 
         time.sleep(every)
 
 
-def wait_metric(server: ServerProcess, name: str, at_least: float, timeout: float = 20.0
-                ) -> float:
-    return wait_for(lambda: (v := metric(server, name)) >= at_least and (v or 1e-9),
-                    timeout, f"{name} >= {at_least} on {server.url}")
-
-
 def kv_stat(server: ServerProcess, name: str) -> float:
     return float(engine_stats(server)["kv_connector"].get(name, 0))
 
@@ -149,9 +143,35 @@ def signal_all(server: ServerProcess, sig: int) -> None:
             proc.send_signal(sig)
 
 
-def kill(server: ServerProcess) -> None:
-    """SIGKILL a whole engine server (API server and EngineCore) and reap it."""
-    procs = processes(server)
-    signal_all(server, signal.SIGKILL)
-    psutil.wait_procs(procs, timeout=10)
-    server.process.wait(10)
+async def stream_sse(url: str, body: dict[str, Any], rid: str, timeout: float = 60.0
+                     ) -> tuple[str, str | None]:
+    """POST a streaming completion; (text, error message or None). A connection that breaks
+    or a stream that ends without `[DONE]` counts as an error too."""
+    text, error, done = [], None, False
+    try:
+        async with httpx.AsyncClient(timeout=timeout) as c, c.stream(
+                "POST", f"{url}/v1/completions", json={**body, "stream": True},
+                headers={"X-Request-Id": rid}) as r:
+            if r.status_code != 200:
+                raw = await r.aread()
+                try:
+                    return "", json.loads(raw)["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    return "", f"HTTP {r.status_code}: {raw[:200]!r}"
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    done = True
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    error = event["error"].get("message", str(event["error"]))
+                    continue
+                text.append(event["choices"][0].get("text", ""))
+    except httpx.HTTPError as e:
+        return "".join(text), f"{type(e).__name__}: {e}"
+    if error is None and not done:
+        error = "stream ended without [DONE]"
+    return "".join(text), error

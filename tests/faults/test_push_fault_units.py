@@ -1,0 +1,172 @@
+"""The push writer's fault rules with plain data: a fake transport and clock, no processes.
+
+Each test pins one rule the process-level fault tests rely on:
+- P dates a registration by its previous drain, so a P that was frozen refuses it;
+- D still sends PUSH_CANCEL to a P it declared dead (a frozen P gets it after the REG);
+- P acknowledges a cancel for a registration it holds no more to the agent it came from.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from kvconnector import wire
+from kvconnector.push.meta import FinishedBlocks, PushMeta, Registration
+from kvconnector.push.peers import PeerState
+from kvconnector.push.receiver import Receiver
+from kvconnector.push.sender import Sender, SenderStats
+from kvconnector.push.writer import PushWriter
+
+TTL, LEASE = 10.0, 5.0
+D_AGENT, D_ADDR = "D0-tp0", ("127.0.0.1", 7002)
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.inbox: list[tuple[str, bytes]] = []
+        self.sent: list[tuple[str, bytes]] = []
+        self.writes: list[tuple[str, list[int], list[int]]] = []
+        self.loaded = {D_AGENT, "P0-tp0"}
+
+    def get_new_notifs(self) -> list[tuple[str, bytes]]:
+        out, self.inbox = self.inbox, []
+        return out
+
+    def send_notif(self, agent: str, msg: bytes) -> None:
+        self.sent.append((agent, msg))
+
+    def write(self, agent: str, p_ids: list[int], d_ids: list[int], notif: bytes) -> object:
+        self.writes.append((agent, list(p_ids), list(d_ids)))
+        return object()
+
+    def check(self, handle: object) -> str:
+        return "DONE"
+
+    def release(self, handle: object) -> bool:
+        return True
+
+    def peers(self) -> list[str]:
+        return sorted(self.loaded)
+
+    def kinds(self) -> list[str]:
+        return [wire.notif_kind(m) for _, m in self.sent if not m.startswith(b"HB:")]
+
+
+class FakePeers:
+    def __init__(self, agent: str) -> None:
+        self.state = PeerState("ready", agent_name=agent, engine_id="X")
+
+    def get(self, addr):
+        return self.state
+
+    def known_agent(self, addr):
+        return self.state.agent_name
+
+    def mark_failed(self, addr, reason: str) -> None:
+        self.state.status, self.state.reason = "failed", reason
+
+    def probe(self, addr, on_result) -> None:
+        pass
+
+    def pending(self) -> bool:
+        return False
+
+    def apply_finished(self) -> None:
+        pass
+
+
+def _p_writer(clock: Clock) -> tuple[PushWriter, FakeTransport, Sender]:
+    t, peers = FakeTransport(), FakePeers(D_AGENT)
+    sender = Sender(t, peers, clock, lease=LEASE, ttl=TTL, tp_size=1, bytes_per_block=64,
+                    stats=SenderStats())
+    receiver = Receiver(t, peers, clock, identity={}, ttl=TTL, hb_interval=1.0, grace=1.0,
+                        stats={"kv_push_registrations_sent_total": 0,
+                               "kv_recv_failed_total": 0})
+    return PushWriter(t, peers, sender, receiver, threading.Event(), clock), t, sender
+
+
+def _reg(rid: str, tid: str) -> bytes:
+    return wire.encode_push_reg(wire.PushReg(
+        request_id=rid, transfer_id=tid, decode_engine_id="D0", decode_host=D_ADDR[0],
+        decode_port=D_ADDR[1], decode_tp_size=1, local_block_ids=[[7, 8]],
+        first_block_index=0, remote_engine_id="P0", remote_host="127.0.0.1",
+        remote_port=7001, remote_tp_size=1))
+
+
+def _thawed_p_writes(frozen_for: float) -> tuple[FakeTransport, PushWriter]:
+    """P drains (nothing), sleeps `frozen_for`, then finds a PUSH_REG and its blocks."""
+    clock = Clock()
+    writer, t, sender = _p_writer(clock)
+    writer.step()
+    clock.t += frozen_for
+    t.inbox.append((D_AGENT, _reg("d-1", "t-1")))
+    writer.inbox.put(PushMeta(finished_blocks=[FinishedBlocks("p-1", "t-1", [3, 4], 20)]))
+    writer.step()
+    return t, writer
+
+
+def test_a_registration_found_after_a_freeze_longer_than_the_ttl_is_refused():
+    t, writer = _thawed_p_writes(frozen_for=TTL + 1)
+    assert t.writes == []
+    assert t.kinds() == ["PUSH_FAIL"]
+    assert writer.collect().finished_sending == {"p-1"}  # P's blocks are free again
+    assert not writer.sender.staged and not writer.sender.regs
+
+
+def test_a_registration_found_after_a_short_pause_is_written():
+    t, _ = _thawed_p_writes(frozen_for=TTL / 2)
+    assert t.writes == [(D_AGENT, [3, 4], [7, 8])]
+
+
+def test_d_cancels_at_a_peer_it_declared_dead():
+    clock, t = Clock(), FakeTransport()
+    peers = FakePeers("P0-tp0")
+    r = Receiver(t, peers, clock, identity={"decode_engine_id": "D0", "decode_host": D_ADDR[0],
+                                             "decode_port": D_ADDR[1], "decode_tp_size": 1},
+                 ttl=TTL, hb_interval=1.0, grace=1.0,
+                 stats={"kv_push_registrations_sent_total": 0, "kv_recv_failed_total": 0})
+    r.on_registration(Registration("d-1", "t-1", [7, 8], 0, 20, "P0", "127.0.0.1", 7001, 1))
+    r.poll()
+    assert t.kinds() == ["PUSH_REG"]
+    r.on_probe(("127.0.0.1", 7001), False)
+    r.on_probe(("127.0.0.1", 7001), False)  # dead: fail over now ...
+    assert "unreachable" in r.failed_recving["d-1"]
+    assert peers.state.status == "failed"
+    assert t.kinds() == ["PUSH_REG", "PUSH_CANCEL"]  # ... and still tell it
+    assert "d-1" in r.quarantine
+
+
+def test_p_acks_a_cancel_for_a_registration_it_never_got_to_a_known_agent_only():
+    clock = Clock()
+    writer, t, sender = _p_writer(clock)
+    t.inbox += [(D_AGENT, wire.encode_push_cancel("d-1", "t-1")),
+                ("stranger", wire.encode_push_cancel("d-2", "t-2"))]
+    writer.step()
+    assert t.sent == [(D_AGENT, wire.encode_push_cancel_ack("d-1", "t-1"))]
+    # The tombstone makes the ACK true: a late registration is refused, never written.
+    t.inbox.append((D_AGENT, _reg("d-1", "t-1")))
+    writer.inbox.put(PushMeta(finished_blocks=[FinishedBlocks("p-1", "t-1", [3, 4], 20)]))
+    writer.step()
+    assert t.writes == []
+    assert t.kinds()[-1] == "PUSH_FAIL"
+
+
+def test_p_acks_a_cancel_that_crossed_a_completed_write():
+    clock = Clock()
+    writer, t, sender = _p_writer(clock)
+    t.inbox.append((D_AGENT, _reg("d-1", "t-1")))
+    writer.inbox.put(PushMeta(finished_blocks=[FinishedBlocks("p-1", "t-1", [3, 4], 20)]))
+    writer.step()
+    writer.step()
+    assert len(t.writes) == 1 and sender.done == set() and not sender.inflight
+    t.inbox.append((D_AGENT, wire.encode_push_cancel("d-1", "t-1")))  # completion was lost
+    writer.step()
+    assert t.sent[-1] == (D_AGENT, wire.encode_push_cancel_ack("d-1", "t-1"))
