@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import psutil
 from pd_harness import TEST_ENV, Deployment, engine_stats, role_args, start_proxy
+from pd_harness import metric as metric  # re-exported for the fault tests
 
 from engine.server.launcher import ServerProcess, free_port, launch_server
 
