@@ -17,58 +17,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.kv_connector import KVConnectorOutput
 from kvconnector import wire
 from kvconnector.pull.lender import Lender
-from kvconnector.pull.meta import PullMeta
 from kvconnector.pull.reader import Reader
 from kvconnector.push.peers import Peers
+from kvconnector.wake_thread import WakeThread
 
 logger = logging.getLogger(__name__)
 
-POLL_INTERVAL_S = 0.001
-_IDLE_TICK_S = 1.0  # upper bound on a sleep, so a lost wake costs at most this
 
-
-class PullThread:
+class PullThread(WakeThread):
     def __init__(self, transport: Any, peers: Peers, lender: Lender, reader: Reader,
                  wake: threading.Event, clock: Callable[[], float] = time.monotonic) -> None:
-        self.t = transport
-        self.peers = peers
+        super().__init__("nixl-pull-reader", transport, peers, lender, reader, wake, clock)
         self.lender = lender
         self.reader = reader
-        self.wake = wake
-        self.clock = clock
-        self.inbox: queue.SimpleQueue[PullMeta] = queue.SimpleQueue()
-        self.outbox: queue.SimpleQueue[KVConnectorOutput] = queue.SimpleQueue()
-        self.malformed = 0  # undecodable, or a push-mode message sent to a pull engine
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="nixl-pull-reader", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop = True
-        self.wake.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while not self._stop:
-            self.wake.wait(self._timeout())
-            self.wake.clear()
-            try:
-                self.step()
-            except Exception:  # noqa: BLE001 - log and go on; the engine must not lose it
-                logger.exception("pull thread step failed")
-
-    def _timeout(self) -> float:
-        if self.lender.needs_poll() or self.reader.needs_poll() or self.peers.pending():
-            return POLL_INTERVAL_S
-        deadline = self.reader.next_deadline()
-        if deadline is None:
-            return _IDLE_TICK_S
-        return min(_IDLE_TICK_S, max(POLL_INTERVAL_S, deadline - self.clock()))
 
     def step(self) -> None:
         """One pass: handshakes, scheduler work, inbound notifs, polls, results out."""
@@ -112,28 +75,3 @@ class PullThread:
             self.malformed += 1
             logger.warning("%s from %s dropped: not a pull-mode notification",
                            type(msg).__name__, agent)
-
-    def _publish(self) -> None:
-        lender, reader = self.lender, self.reader
-        if not (lender.done or reader.done or reader.finished_recving or reader.failed_recving):
-            return
-        out = KVConnectorOutput(
-            finished_sending=lender.done | reader.done,
-            finished_recving=set(reader.finished_recving),
-            failed_recving=dict(reader.failed_recving),
-        )
-        lender.done, reader.done = set(), set()
-        reader.finished_recving, reader.failed_recving = set(), {}
-        self.outbox.put(out)
-
-    def collect(self) -> KVConnectorOutput:
-        """Engine thread: everything the thread finished since the last call."""
-        out = KVConnectorOutput()
-        while True:
-            try:
-                part = self.outbox.get_nowait()
-            except queue.Empty:
-                return out
-            out.finished_sending |= part.finished_sending
-            out.finished_recving |= part.finished_recving
-            out.failed_recving.update(part.failed_recving)

@@ -16,59 +16,22 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.kv_connector import KVConnectorOutput
 from kvconnector import wire
-from kvconnector.push.meta import PushMeta
 from kvconnector.push.peers import Peers
 from kvconnector.push.receiver import Receiver
 from kvconnector.push.sender import Sender
+from kvconnector.wake_thread import WakeThread
 
 logger = logging.getLogger(__name__)
 
-POLL_INTERVAL_S = 0.001
-_IDLE_TICK_S = 1.0  # upper bound on a sleep, so a lost wake costs at most this
 
-
-class PushWriter:
+class PushWriter(WakeThread):
     def __init__(self, transport: Any, peers: Peers, sender: Sender, receiver: Receiver,
                  wake: threading.Event, clock: Callable[[], float] = time.monotonic) -> None:
-        self.t = transport
-        self.peers = peers
+        super().__init__("nixl-push-writer", transport, peers, sender, receiver, wake, clock)
         self.sender = sender
         self.receiver = receiver
-        self.wake = wake
-        self.clock = clock
-        self.inbox: queue.SimpleQueue[PushMeta] = queue.SimpleQueue()
-        self.outbox: queue.SimpleQueue[KVConnectorOutput] = queue.SimpleQueue()
-        self.malformed = 0
         self._last_listen = clock()  # when this side last drained its notifications
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="nixl-push-writer", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop = True
-        self.wake.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while not self._stop:
-            self.wake.wait(self._timeout())
-            self.wake.clear()
-            try:
-                self.step()
-            except Exception:  # noqa: BLE001 - log and go on; the engine must not lose it
-                logger.exception("push writer step failed")
-
-    def _timeout(self) -> float:
-        if self.sender.needs_poll() or self.receiver.needs_poll() or self.peers.pending():
-            return POLL_INTERVAL_S
-        deadline = self.receiver.next_deadline()
-        if deadline is None:
-            return _IDLE_TICK_S
-        return min(_IDLE_TICK_S, max(POLL_INTERVAL_S, deadline - self.clock()))
 
     def step(self) -> None:
         """One pass: handshakes, scheduler work, inbound notifs, polls, results out."""
@@ -127,28 +90,3 @@ class PushWriter:
             self.receiver.on_push_fail(msg.request_id, msg.reason)
         elif isinstance(msg, wire.PushCancelAck):
             self.receiver.on_cancel_ack(msg.request_id)
-
-    def _publish(self) -> None:
-        s, r = self.sender, self.receiver
-        if not (s.done or r.done or r.finished_recving or r.failed_recving):
-            return
-        out = KVConnectorOutput(
-            finished_sending=s.done | r.done,
-            finished_recving=set(r.finished_recving),
-            failed_recving=dict(r.failed_recving),
-        )
-        s.done, r.done = set(), set()
-        r.finished_recving, r.failed_recving = set(), {}
-        self.outbox.put(out)
-
-    def collect(self) -> KVConnectorOutput:
-        """Engine thread: everything the writer finished since the last call."""
-        out = KVConnectorOutput()
-        while True:
-            try:
-                part = self.outbox.get_nowait()
-            except queue.Empty:
-                return out
-            out.finished_sending |= part.finished_sending
-            out.finished_recving |= part.finished_recving
-            out.failed_recving.update(part.failed_recving)
