@@ -39,6 +39,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", choices=("contiguous", "scattered"), default="contiguous",
                         help="D's block ids: one run, or every other block (one descriptor each)")
     parser.add_argument("--backends", default="UCX", help="comma-separated NIXL backends")
+    parser.add_argument("--no-huge-pages", action="store_true",
+                        help="plain 4 KiB-page caches instead of the engine's huge-page ones")
     parser.add_argument("--result-json", default=None)
 
 
@@ -73,14 +75,20 @@ def _compat(shape: Shape) -> str:
                        shape.block_size, "push")
 
 
-def _setup(name: str, shape: Shape, num_blocks: int, backends: list[str]) -> tuple:
+def _setup(name: str, shape: Shape, num_blocks: int, backends: list[str],
+           huge_pages: bool) -> tuple:
     import torch
 
+    from engine.worker.kv_memory import alloc_kv_cache
     from kvconnector.handshake import SideChannelServer
     from kvconnector.nixl import NixlTransport
 
     seed = torch.Generator().manual_seed(ord(name[0]))  # P and D hold different data
-    cache = torch.randn(shape.cache_shape(num_blocks), generator=seed)
+    if huge_pages:  # as the engine allocates its cache
+        cache = alloc_kv_cache(shape.cache_shape(num_blocks), torch.float32)
+    else:
+        cache = torch.zeros(shape.cache_shape(num_blocks))
+    cache.copy_(torch.randn(shape.cache_shape(num_blocks), generator=seed))
     transport = NixlTransport(name, cache, shape.bytes_per_block, backends,
                               engine_id=f"bench-{name}", block_size=shape.block_size,
                               compat_hash=_compat(shape))
@@ -92,11 +100,12 @@ def _checksums(cache: Any, ids: list[int]) -> list[float]:
     return cache[ids].flatten(1).double().sum(1).tolist()
 
 
-def _run_prefill(conn: Any, shape: Shape, ids: list[int], total: int, backends: list[str]) -> None:
+def _run_prefill(conn: Any, shape: Shape, ids: list[int], total: int, backends: list[str],
+                 huge_pages: bool) -> None:
     from kvconnector import wire
     from kvconnector.handshake import fetch_peer_metadata
 
-    cache, transport, server = _setup("P", shape, len(ids) + 1, backends)
+    cache, transport, server = _setup("P", shape, len(ids) + 1, backends, huge_pages)
     conn.send(server.port)
     times, descriptors, done = [], 0, 0
     while done < total:
@@ -123,13 +132,14 @@ def _run_prefill(conn: Any, shape: Shape, ids: list[int], total: int, backends: 
     _exit(server, transport)
 
 
-def _run_decode(conn: Any, shape: Shape, ids: list[int], total: int, backends: list[str]) -> None:
+def _run_decode(conn: Any, shape: Shape, ids: list[int], total: int, backends: list[str],
+                huge_pages: bool) -> None:
     import secrets
 
     from kvconnector import wire
     from kvconnector.handshake import fetch_peer_metadata
 
-    cache, transport, server = _setup("D", shape, max(ids) + 1, backends)
+    cache, transport, server = _setup("D", shape, max(ids) + 1, backends, huge_pages)
     p_port = conn.recv()
     transport.add_peer(fetch_peer_metadata(HOST, p_port, _compat(shape), 10.0))
     times = []
@@ -180,7 +190,8 @@ def memcpy_gbps(nbytes: int, iters: int) -> float:
 
 
 def run(model: str, num_tokens: int, block_size: int = 16, iters: int = 10, warmup: int = 2,
-        layout: str = "contiguous", backends: tuple[str, ...] = ("UCX",)) -> dict[str, Any]:
+        layout: str = "contiguous", backends: tuple[str, ...] = ("UCX",),
+        huge_pages: bool = True) -> dict[str, Any]:
     if num_tokens < 1 or iters < 1 or warmup < 0:
         raise ValueError("need --num-tokens >= 1, --iters >= 1, --warmup >= 0")
     shape = model_shape(model, block_size)
@@ -191,9 +202,11 @@ def run(model: str, num_tokens: int, block_size: int = 16, iters: int = 10, warm
     ctx = mp.get_context("spawn")
     p_conn, p_child = ctx.Pipe()
     d_conn, d_child = ctx.Pipe()
-    procs = [ctx.Process(target=_run_prefill, args=(p_child, shape, p_ids, total, list(backends)),
+    procs = [ctx.Process(target=_run_prefill, args=(p_child, shape, p_ids, total, list(backends),
+                                                         huge_pages),
                          name="bench-transfer-P", daemon=True),
-             ctx.Process(target=_run_decode, args=(d_child, shape, d_ids, total, list(backends)),
+             ctx.Process(target=_run_decode, args=(d_child, shape, d_ids, total, list(backends),
+                                                        huge_pages),
                          name="bench-transfer-D", daemon=True)]
     for proc in procs:
         proc.start()
@@ -222,7 +235,8 @@ def run(model: str, num_tokens: int, block_size: int = 16, iters: int = 10, warm
         "write_ms_p99": _sig(_pct(p_times[warmup:], 0.99) * 1e3),
         "e2e_ms_median": _sig(e2e_s * 1e3),
         "num_blocks": nblocks, "bytes_per_block": shape.bytes_per_block, "iters": iters,
-        "layout": layout, "shape": asdict(shape), "unit": "GB/s (1e9 bytes/s)",
+        "layout": layout, "huge_pages": huge_pages, "shape": asdict(shape),
+        "unit": "GB/s (1e9 bytes/s)",
         "ucx_tls": os.environ.get("UCX_TLS", "(default)"), "verified": p_sums == d_sums,
     }
 
@@ -249,7 +263,8 @@ def _pct(values: list[float], q: float) -> float:
 
 def main(args: argparse.Namespace) -> int:
     result = run(args.model, args.num_tokens, args.block_size, args.iters, args.warmup,
-                 args.layout, tuple(b for b in args.backends.split(",") if b))
+                 args.layout, tuple(b for b in args.backends.split(",") if b),
+                 not args.no_huge_pages)
     text = json.dumps(result, indent=2)
     print(text)
     if args.result_json:

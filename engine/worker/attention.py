@@ -13,11 +13,17 @@ Each step, every token's K/V is first written at its slot (block_ids[pos // bs],
 then each sequence's queries attend over its whole context read back through its block
 table. A query at absolute position p sees keys at positions <= p: that single rule is
 right for fresh prefills, later prefill chunks and prefix-cache hits alike.
+
+Decodes (one query token) go to the compiled kernel (engine/worker/kernels) when it is
+available: it reads each sequence's K/V in place through its block table, every sequence at
+its own length. Without it they are gathered with index_select and batched into padded
+scaled_dot_product_attention calls, grouped by length.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +50,7 @@ class AttentionMetadata:
     """
 
     def __init__(self, spans: list[SeqSpan], block_size: int, num_layers: int,
-                 device: torch.device) -> None:
+                 device: torch.device, kernel: bool = False) -> None:
         self.spans = spans
         self.block_size = block_size
         self.layer_stride = 2 * block_size  # rows between layer l and l + 1 of a block
@@ -60,7 +66,13 @@ class AttentionMetadata:
         # Decodes (q_len == 1) are batched into padded attention calls, by length.
         self.decode_spans = [s for s in spans if s.q_len == 1]
         self.prefill_spans = [s for s in spans if s.q_len > 1]
-        self._build_decode_tables(device)
+        self.decode_groups: list[DecodeGroup] = []
+        self.decode_table: DecodeTable | None = None
+        if kernel and self.decode_spans:
+            self.decode_table = DecodeTable(self.decode_spans, block_size,
+                                            self.chunks_per_block, device)
+        else:
+            self._build_decode_groups(device)
 
     def context_chunks(self, block_ids: list[int], ctx_len: int, device: torch.device
                        ) -> torch.Tensor:
@@ -70,13 +82,12 @@ class AttentionMetadata:
         blocks = torch.tensor(block_ids[:n], dtype=torch.long, device=device)
         return blocks * self.chunks_per_block
 
-    def _build_decode_tables(self, device: torch.device) -> None:
+    def _build_decode_groups(self, device: torch.device) -> None:
         """Group decodes of similar length (each group's longest context at most twice its
         shortest, plus a block): padding every decode to the batch's longest context would
         make one long request multiply the KV every short one copies."""
         bs = self.block_size
         order = sorted(self.decode_spans, key=lambda s: s.ctx_len)
-        self.decode_groups: list[DecodeGroup] = []
         group: list[SeqSpan] = []
         for s in order:
             if group and s.ctx_len > 2 * group[0].ctx_len + bs:
@@ -87,17 +98,34 @@ class AttentionMetadata:
             self.decode_groups.append(DecodeGroup(group, bs, self.chunks_per_block, device))
 
 
+def _chunk_table(spans: list[SeqSpan], bs: int, chunks_per_block: int,
+                 device: torch.device) -> torch.Tensor:
+    """[B, max_blocks] layer-0 K chunks of each sequence's context blocks (0-padded)."""
+    max_blocks = max((s.ctx_len + bs - 1) // bs for s in spans)
+    table = torch.zeros(len(spans), max_blocks, dtype=torch.long)
+    for i, s in enumerate(spans):
+        n = (s.ctx_len + bs - 1) // bs
+        table[i, :n] = torch.tensor(s.block_ids[:n], dtype=torch.long)
+    return table.to(device) * chunks_per_block
+
+
+class DecodeTable:
+    """Every decode of the step, for the compiled kernel: block table, rows and lengths."""
+
+    def __init__(self, spans: list[SeqSpan], bs: int, chunks_per_block: int,
+                 device: torch.device) -> None:
+        self.chunks = _chunk_table(spans, bs, chunks_per_block, device)
+        self.rows = torch.tensor([s.q_start for s in spans], dtype=torch.long, device=device)
+        self.ctx = torch.tensor([s.ctx_len for s in spans], dtype=torch.long, device=device)
+
+
 class DecodeGroup:
     """Decodes batched into one padded attention call."""
 
     def __init__(self, spans: list[SeqSpan], bs: int, chunks_per_block: int,
                  device: torch.device) -> None:
-        max_blocks = max((s.ctx_len + bs - 1) // bs for s in spans)
-        table = torch.zeros(len(spans), max_blocks, dtype=torch.long)
-        for i, s in enumerate(spans):
-            n = (s.ctx_len + bs - 1) // bs
-            table[i, :n] = torch.tensor(s.block_ids[:n], dtype=torch.long)
-        self.chunks = table.to(device) * chunks_per_block  # layer-0 K chunks
+        self.chunks = _chunk_table(spans, bs, chunks_per_block, device)
+        max_blocks = self.chunks.shape[1]
         lens = [s.ctx_len for s in spans]
         self.ctx = lens[0] if len(set(lens)) == 1 else None  # all equal: slice, no mask
         ctx = torch.tensor(lens, device=device)
@@ -110,10 +138,13 @@ class DecodeGroup:
 class PagedAttention:
     """Callable the model invokes per layer: `attn(layer_idx, q, k, v) -> out`."""
 
-    def __init__(self, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
+    def __init__(self, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                 kernel: ModuleType | None = None) -> None:
         self.kv_cache = kv_cache
+        self.kernel = kernel if meta.decode_table is not None else None
         self.rows = kv_cache.view(-1, kv_cache.shape[-2] * kv_cache.shape[-1])
         self.chunks = kv_cache.view(-1, kv_cache[0, 0, 0].numel())
+        self.block_view = kv_cache.view(-1, *kv_cache.shape[-3:])  # [chunks, bs, KV, D]
         self.kv_heads, self.head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
         self.meta = meta
         self.scale = scale
@@ -126,12 +157,25 @@ class PagedAttention:
         self.rows.index_copy_(0, torch.cat((write, write + m.block_size)),
                               torch.cat((k.reshape(t, -1), v.reshape(t, -1))).to(
                                   self.rows.dtype))
+        if self.kernel is not None:
+            return self._with_kernel(layer, q, k, v)
         out = torch.empty_like(q)
         for s in m.prefill_spans:
             out[s.q_start:s.q_start + s.q_len] = self._prefill(layer, s, q, k, v)
         for g in m.decode_groups:
             out[g.rows] = self._decode(layer, g, q[g.rows])
         return out
+
+    def _with_kernel(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                     ) -> torch.Tensor:
+        """Decodes by the compiled kernel (float32 in and out), prefills by the torch path."""
+        t = self.meta.decode_table
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        self.kernel.paged_decode(out, q.float().contiguous(), self.block_view, t.chunks,
+                                 t.rows, t.ctx, layer, self.scale)
+        for s in self.meta.prefill_spans:
+            out[s.q_start:s.q_start + s.q_len] = self._prefill(layer, s, q, k, v)
+        return out.to(q.dtype)
 
     def _read(self, chunks: torch.Tensor, layer: int, dtype: torch.dtype
               ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,9 @@ from engine.kv_connector import KVCacheSpec, KVConnectorWorker
 from engine.models import load_arch, load_model
 from engine.protocol import SamplingParams
 from engine.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from engine.worker import kernels
 from engine.worker.attention import AttentionMetadata, PagedAttention, SeqSpan
+from engine.worker.kv_memory import alloc_kv_cache
 from engine.worker.sampler import Sampler, build_sampling_metadata
 
 logger = logging.getLogger(__name__)
@@ -57,11 +59,13 @@ class ModelRunner:
         self.kv_cache_spec = self._kv_cache_spec()
         self.num_kv_blocks = self.kv_cache_spec.num_blocks
         a = self.arch
-        self.kv_cache = torch.zeros(
-            self.num_kv_blocks, a.num_layers, 2, self.block_size, a.num_kv_heads, a.head_dim,
-            dtype=self.model.dtype, device=self.device,
+        self.kv_cache = alloc_kv_cache(
+            (self.num_kv_blocks, a.num_layers, 2, self.block_size, a.num_kv_heads, a.head_dim),
+            self.model.dtype, self.device,
         )
         self.scale = a.head_dim ** -0.5
+        # Built (or found in the cache) now, so the first step does not wait for a compiler.
+        self.attn_kernel = kernels.paged_attention() if self.device.type == "cpu" else None
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequest] = {}
         self.connector: KVConnectorWorker | None = None
@@ -128,8 +132,9 @@ class ModelRunner:
             if state.num_computed_tokens == len(state.token_ids):
                 sample_rows.append(len(tokens) - 1)
                 sampling.append(state)
-        meta = AttentionMetadata(spans, self.block_size, self.arch.num_layers, self.device)
-        attn = PagedAttention(self.kv_cache, meta, self.scale)
+        meta = AttentionMetadata(spans, self.block_size, self.arch.num_layers, self.device,
+                                 kernel=self.attn_kernel is not None)
+        attn = PagedAttention(self.kv_cache, meta, self.scale, self.attn_kernel)
         hidden = self.model(
             torch.tensor(tokens, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),

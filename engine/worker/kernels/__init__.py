@@ -1,0 +1,105 @@
+"""Compiled CPU kernels, built once per machine with torch's C++ extension builder.
+
+`paged_attention()` returns the compiled module (see paged_attention.cpp) or None, in which
+case the caller uses its pure-torch path. The build is keyed by the source, the compiler
+flags, the torch version and the CPU (the code is built with -march=native) and cached as one
+shared object under $PDSERVE_KERNEL_CACHE (default ~/.cache/pdserve/kernels). A process that
+finds it imports it directly; one that does not builds it in a private temporary directory and
+moves the result into place atomically, so concurrent builders never wait on each other and a
+builder killed midway leaves no lock behind. `make install` builds it ahead of time
+(`python -m engine.worker.kernels`), so no engine start pays for the compiler.
+PDSERVE_ATTENTION=torch turns the kernel off (for comparisons and as an escape hatch).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import platform
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+# -fopenmp: at::parallel_for is inlined into the kernel and parallel only with OpenMP on; the
+# extension then shares torch's own libgomp.so.1 (the loader finds it already loaded).
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = {ln for ln in f if ln.startswith(("model name", "flags"))}
+        return "".join(sorted(lines))
+    except OSError:
+        return platform.processor()
+
+
+def cached_path() -> tuple[str, Path]:
+    """(module name, shared object path) of this machine's build."""
+    import torch
+
+    key = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), " ".join(_CFLAGS).encode(), torch.__version__.encode(),
+                 _cpu_id().encode()):
+        key.update(part)
+    name = f"pdserve_paged_attention_{key.hexdigest()[:12]}"
+    root = Path(os.environ.get("PDSERVE_KERNEL_CACHE",
+                               Path.home() / ".cache" / "pdserve" / "kernels"))
+    return name, root / f"{name}.so"
+
+
+def _import(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(name: str, dest: Path) -> None:
+    from torch.utils.cpp_extension import load
+
+    # The ninja wheel's binary sits beside the interpreter, whether or not the venv's bin
+    # directory is on PATH.
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), *path])
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="build-", dir=dest.parent))
+    try:
+        load(name=name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+             extra_ldflags=["-fopenmp"], build_directory=str(tmp), verbose=False)
+        os.replace(tmp / f"{name}.so", dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@functools.cache
+def paged_attention() -> ModuleType | None:
+    if os.environ.get("PDSERVE_ATTENTION", "kernel") == "torch":
+        return None
+    try:
+        import torch  # noqa: F401  (the extension links against torch's libraries)
+
+        name, path = cached_path()
+        if not path.exists():
+            logger.info("building the paged attention kernel into %s", path)
+            _build(name, path)
+        return _import(name, path)
+    except Exception as e:  # no compiler, no ninja, a build error: fall back, say why once
+        first = str(e).splitlines()[0] if str(e) else ""
+        logger.warning("paged attention kernel unavailable (%s: %s); using the torch path",
+                       type(e).__name__, first)
+        return None
+
+
+def main() -> int:
+    mod = paged_attention()
+    print(f"paged attention kernel: {'ready' if mod else 'NOT available'} ({cached_path()[1]})")
+    return 0 if mod else 1

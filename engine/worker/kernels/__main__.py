@@ -1,0 +1,3 @@
+from engine.worker.kernels import main
+
+raise SystemExit(main())

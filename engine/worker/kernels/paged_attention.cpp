@@ -1,0 +1,165 @@
+// Paged decode attention on the CPU: one query token per sequence attends over its whole
+// context, read in place from the engine's paged KV cache (no gather copy).
+//
+// Cache view: chunks[num_chunks, block_size, num_kv_heads, head_dim], where chunk
+// (block * num_layers + layer) * 2 + kv holds one block's K (kv = 0) or V (kv = 1) of one layer
+// (see engine/worker/attention.py). `table[b, j]` is the layer-0 K chunk of sequence b's j-th
+// block; layer l's K chunk is table[b, j] + 2 * l and its V chunk the one after.
+//
+// Work is split over (sequence, kv head) pairs with at::parallel_for; each pair handles the
+// `group` query heads that share the kv head, so every K/V row is loaded once for all of them.
+// Scores, softmax and the weighted sum run in float32 whatever the cache dtype.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 16;  // one AVX-512 register, two AVX2 ones
+
+// <q, k> over dim values, summed in kLanes independent lanes (so the compiler vectorizes it
+// without reassociating a single sum), then across the lanes.
+// exp(x) for x <= 0 (softmax after subtracting the max), vectorizable: x = k ln2 + r with
+// |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7 there), 2^k put
+// into the exponent bits. Below -87 the result is 0 (e^-87 is under float's normal range).
+inline float exp_nonpos(float x) {
+  x = std::max(x, -87.f);
+  const float k = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - k * 0.693145751953125f - k * 1.428606765330187e-06f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t dim) {
+  float lanes[kLanes] = {};
+  int64_t d = 0;
+  for (; d + kLanes <= dim; d += kLanes)
+    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += q[d + j] * static_cast<float>(k[d + j]);
+  float s = 0.f;
+  for (; d < dim; ++d) s += q[d] * static_cast<float>(k[d]);
+  for (int64_t j = 0; j < kLanes; ++j) s += lanes[j];
+  return s;
+}
+
+// Sequences [begin, end): each reads its blocks' K (then V) chunks front to back, every row
+// whole (all kv heads), so the memory is streamed; `heads` query heads, `group` per kv head.
+template <typename T>
+void decode_seqs(float* out, const float* q, const T* chunks, const int64_t* table,
+                 const int64_t* rows, const int64_t* ctx_lens, int64_t begin, int64_t end,
+                 int64_t max_blocks, int64_t layer, int64_t bs, int64_t kv_heads,
+                 int64_t group, int64_t dim, float scale) {
+  const int64_t heads = kv_heads * group;
+  const int64_t row_elems = kv_heads * dim;  // one position's K (or V) in a chunk
+  const int64_t chunk_elems = bs * row_elems;
+  std::vector<float> scores;  // [heads, n]
+  std::vector<float> acc(heads * dim);
+  std::vector<float> denom(heads);
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t n = ctx_lens[b];
+    const int64_t* blocks = table + b * max_blocks;
+    const float* qb = q + rows[b] * heads * dim;
+    scores.resize(heads * n);
+    // Scores: s[h, t] = scale * <q_h, k_t of h's kv head>.
+    for (int64_t t0 = 0; t0 < n; t0 += bs) {
+      const T* kc = chunks + (blocks[t0 / bs] + 2 * layer) * chunk_elems;
+      const int64_t len = std::min(bs, n - t0);
+      for (int64_t i = 0; i < len; ++i) {
+        const T* k = kc + i * row_elems;
+        for (int64_t kh = 0, h = 0; kh < kv_heads; ++kh)
+          for (int64_t g = 0; g < group; ++g, ++h)
+            scores[h * n + t0 + i] = dot(qb + h * dim, k + kh * dim, dim) * scale;
+      }
+    }
+    // Softmax per query head.
+    for (int64_t h = 0; h < heads; ++h) {
+      float* s = scores.data() + h * n;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+#pragma omp simd
+      for (int64_t t = 0; t < n; ++t) s[t] = exp_nonpos(s[t] - m);
+      float sum = 0.f;
+      for (int64_t t = 0; t < n; ++t) sum += s[t];
+      denom[h] = sum;
+    }
+    // Weighted sum of V rows.
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t t0 = 0; t0 < n; t0 += bs) {
+      const T* vc = chunks + (blocks[t0 / bs] + 2 * layer + 1) * chunk_elems;
+      const int64_t len = std::min(bs, n - t0);
+      for (int64_t i = 0; i < len; ++i) {
+        const T* v = vc + i * row_elems;
+        for (int64_t kh = 0, h = 0; kh < kv_heads; ++kh) {
+          const T* vh = v + kh * dim;
+          for (int64_t g = 0; g < group; ++g, ++h) {
+            const float p = scores[h * n + t0 + i];
+            float* a = acc.data() + h * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(vh[d]);
+          }
+        }
+      }
+    }
+    float* o = out + rows[b] * heads * dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float inv = 1.f / denom[h];
+      for (int64_t d = 0; d < dim; ++d) o[h * dim + d] = acc[h * dim + d] * inv;
+    }
+  }
+}
+
+// out, q: float32 [T, H, D] (out is written only at `rows`); chunks: [N, bs, KV, D];
+// table: int64 [B, max_blocks]; rows, ctx_lens: int64 [B].
+void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor chunks, torch::Tensor table,
+                  torch::Tensor rows, torch::Tensor ctx_lens, int64_t layer, double scale) {
+  TORCH_CHECK(out.scalar_type() == torch::kFloat && q.scalar_type() == torch::kFloat,
+              "paged_decode: q and out must be float32");
+  TORCH_CHECK(out.is_contiguous() && q.is_contiguous() && chunks.is_contiguous() &&
+                  table.is_contiguous() && rows.is_contiguous() && ctx_lens.is_contiguous(),
+              "paged_decode: tensors must be contiguous");
+  TORCH_CHECK(q.dim() == 3 && chunks.dim() == 4 && table.dim() == 2, "paged_decode: bad ranks");
+  TORCH_CHECK(table.scalar_type() == torch::kLong && rows.scalar_type() == torch::kLong &&
+                  ctx_lens.scalar_type() == torch::kLong,
+              "paged_decode: table, rows and ctx_lens must be int64");
+  const int64_t batch = table.size(0);
+  const int64_t bs = chunks.size(1), kv_heads = chunks.size(2), dim = chunks.size(3);
+  const int64_t heads = q.size(1);
+  TORCH_CHECK(q.size(2) == dim && heads % kv_heads == 0, "paged_decode: head shapes differ");
+  TORCH_CHECK(rows.size(0) == batch && ctx_lens.size(0) == batch, "paged_decode: batch sizes");
+  const int64_t group = heads / kv_heads, max_blocks = table.size(1);
+  const float s = static_cast<float>(scale);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, chunks.scalar_type(), "paged_decode",
+                                  [&] {
+    const scalar_t* c = chunks.data_ptr<scalar_t>();
+    float* o = out.data_ptr<float>();
+    const float* qp = q.data_ptr<float>();
+    const int64_t* tb = table.data_ptr<int64_t>();
+    const int64_t* rw = rows.data_ptr<int64_t>();
+    const int64_t* cl = ctx_lens.data_ptr<int64_t>();
+    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+      decode_seqs<scalar_t>(o, qp, c, tb, rw, cl, begin, end, max_blocks, layer, bs, kv_heads,
+                            group, dim, s);
+    });
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+}
