@@ -18,13 +18,11 @@
 #   A   1024 input / 64 output tokens, Poisson arrivals at each rate of $RATES
 #   mix 90% 64-in/64-out (decode-heavy) + 10% 1024-in/64-out (prefill-heavy) at $MIX_RATE
 # Proxy overhead (push deployment, 64-in/8-out, one request at a time, sent about every
-#   1/$OVERHEAD_RATE s so each meets an idle deployment): median TTFT through the proxy minus
-#   median TTFT when the load generator sends the P and D legs itself
-#   (`bench serve --pd-prefill-url/--pd-decode-url`): same P, same D, same legs, no proxy hop.
-#   Runs alternate (direct, proxy, direct, proxy) so a load drift hits both. Requests are
-#   spaced because a request that arrives right after another one ended currently gets its
-#   tokens late and in one burst (seen with and without the proxy), which would swamp the
-#   few milliseconds being measured.
+#   1/$OVERHEAD_RATE s so each meets an idle deployment): requests alternate one by one
+#   between the proxy and the load generator sending the same P and D legs itself
+#   (`bench serve --base-url PROXY --pd-prefill-url P --pd-decode-url D`): same P, same D,
+#   same legs, no proxy hop. The overhead is the median TTFT difference of consecutive
+#   (direct, proxy) pairs, so a drift of the deployment between runs cannot pass for it.
 # Output: $OUT/pd_bench.md (tables, goals), $OUT/pd_bench.png (TTFT/ITL CDFs), raw JSON and
 # server logs in $OUT/pd_raw/.
 set -euo pipefail
@@ -39,7 +37,7 @@ RATES=${RATES:-"0.15 0.3 0.5"}
 MIX_RATE=${MIX_RATE:-2.0}
 MIX_PROMPTS=${MIX_PROMPTS:-80}
 SECONDS_PER_RATE=${SECONDS_PER_RATE:-40}   # num-prompts = max(8, rate * this) for workload A
-OVERHEAD_PROMPTS=${OVERHEAD_PROMPTS:-20}
+OVERHEAD_PROMPTS=${OVERHEAD_PROMPTS:-60}   # per round, half through the proxy
 OVERHEAD_RATE=${OVERHEAD_RATE:-0.8}  # near-periodic (burstiness 50), one request at a time
 GOODPUT=${GOODPUT:-"ttft:2500 tpot:100"}
 PORT_BASE=${PORT_BASE:-18100}
@@ -160,18 +158,12 @@ for sys in $SYSTEMS; do
         --num-prompts "$(scaled "$SCALE" "$MIX_PROMPTS" 10)" --seed $seed
     if [ "$sys" = push ]; then
         for round in 1 2; do
-            for how in direct proxy; do
-                seed=$((seed + 1))
-                if [ $how = direct ]; then
-                    t=(--pd-prefill-url "$P_URL" --pd-decode-url "$D_URL")
-                else
-                    t=("${TARGET[@]}")
-                fi
-                bench "push|overhead $how|$round" "overhead_${how}_$round" "${t[@]}" \
-                    --random-input-len 64 --random-output-len 8 --max-concurrency 1 \
-                    --request-rate "$OVERHEAD_RATE" --burstiness 50 \
-                    --num-prompts "$(scaled "$SCALE" "$OVERHEAD_PROMPTS" 5)" --seed $seed
-            done
+            seed=$((seed + 1))
+            bench "push|overhead proxy/direct interleaved|$round" "overhead_$round" \
+                "${TARGET[@]}" --pd-prefill-url "$P_URL" --pd-decode-url "$D_URL" \
+                --random-input-len 64 --random-output-len 8 --max-concurrency 1 \
+                --request-rate "$OVERHEAD_RATE" --burstiness 50 \
+                --num-prompts "$(scaled "$SCALE" "$OVERHEAD_PROMPTS" 6)" --seed $seed
         done
     fi
     log "system $sys: stopping"

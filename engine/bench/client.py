@@ -43,6 +43,7 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     start: float = 0.0  # perf_counter at send, relative to the benchmark's start
+    target: str = ""  # which server (or "pd-direct") it went to
 
     @property
     def tpot(self) -> float | None:

@@ -110,8 +110,10 @@ def summarize(results: Sequence[RequestResult], duration: float, *,
 
 def summarize_by_kind(results: Sequence[RequestResult], duration: float, *,
                       percentiles: Sequence[float] = DEFAULT_PERCENTILES,
-                      slos: dict[str, float] | None = None) -> dict[str, dict[str, Any]]:
-    """One summary per workload class (throughputs still over the whole run's duration)."""
-    kinds = sorted({r.kind for r in results})
-    return {k: summarize([r for r in results if r.kind == k], duration,
-                         percentiles=percentiles, slos=slos) for k in kinds}
+                      slos: dict[str, float] | None = None,
+                      key: str = "kind") -> dict[str, dict[str, Any]]:
+    """One summary per workload class (or per other RequestResult field `key`, such as
+    "target"); throughputs are still over the whole run's duration."""
+    groups = sorted({getattr(r, key) for r in results})
+    return {g: summarize([r for r in results if getattr(r, key) == g], duration,
+                         percentiles=percentiles, slos=slos) for g in groups}

@@ -37,7 +37,7 @@ def _load(path: str) -> dict[str, Any] | None:
 def load_runs(raw: str) -> dict[str, Any]:
     """{'A': {system: {rate: result}}, 'mix': {system: result}, 'overhead': {how: [results]},
     'transfer': result|None, 'loadavg': [(phase, '1m 5m 15m')]}"""
-    runs: dict[str, Any] = {"A": {}, "mix": {}, "overhead": {"direct": [], "proxy": []}}
+    runs: dict[str, Any] = {"A": {}, "mix": {}, "overhead": []}
     for path in sorted(glob.glob(os.path.join(raw, "*.json"))):
         name = os.path.basename(path)[:-5]
         data = _load(path)
@@ -47,8 +47,8 @@ def load_runs(raw: str) -> dict[str, Any]:
             runs["A"].setdefault(m.group(1), {})[float(m.group(2))] = data
         elif m := re.fullmatch(r"(\w+)__mix", name):
             runs["mix"][m.group(1)] = data
-        elif m := re.fullmatch(r"overhead_(direct|proxy)_\d+", name):
-            runs["overhead"][m.group(1)].append(data)
+        elif re.fullmatch(r"overhead_\d+", name):
+            runs["overhead"].append(data)
     runs["transfer"] = _load(os.path.join(raw, "transfer.json"))
     runs["loadavg"] = []
     try:
@@ -129,20 +129,6 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b <= 0 else a / b
 
 
-def _pooled_median_ttft_ms(results: list[dict[str, Any]]) -> float | None:
-    values = [t * 1000 for r in results
-              for t, err in zip(r.get("ttfts", []), r.get("errors", []), strict=False)
-              if not err]
-    return statistics.median(values) if values else None
-
-
-def _pooled_median_itl_ms(results: list[dict[str, Any]]) -> float | None:
-    values = [g * 1000 for r in results
-              for gaps, err in zip(r.get("itls", []), r.get("errors", []), strict=False)
-              if not err for g in gaps]
-    return statistics.median(values) if values else None
-
-
 def goals(runs: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
     """Markdown rows of the goal table, and the numbers behind them."""
     rows = ["| goal | measured | reached |", "|---|---|---|"]
@@ -180,12 +166,12 @@ def goals(runs: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
     rows.append(f"| transfer ≥ {GOAL_TRANSFER:.0%} of single-thread memcpy (2048 tokens) | "
                 f"{shown} | {verdict(None if ratio is None else ratio >= GOAL_TRANSFER)} |")
 
-    direct = _pooled_median_ttft_ms(runs["overhead"]["direct"])
-    proxied = _pooled_median_ttft_ms(runs["overhead"]["proxy"])
-    overhead = None if direct is None or proxied is None else proxied - direct
+    direct, proxied, pairs = overhead_samples(runs["overhead"])
+    overhead = statistics.median(pairs) if pairs else None
     numbers["proxy_overhead_ms"] = overhead
     shown = "—" if overhead is None else (
-        f"{proxied:.1f} − {direct:.1f} = {overhead:+.1f} ms")
+        f"median of {len(pairs)} paired differences: {overhead:+.1f} ms "
+        f"(medians {statistics.median(proxied):.1f} vs {statistics.median(direct):.1f})")
     rows.append(f"| proxy adds ≤ {GOAL_PROXY_MS:g} ms median TTFT | {shown} | "
                 f"{verdict(None if overhead is None else overhead <= GOAL_PROXY_MS)} |")
     return rows, numbers
@@ -201,16 +187,39 @@ def transfer_section(t: dict[str, Any] | None) -> list[str]:
             "| " + " | ".join(str(t[k]) for k in keys if k in t) + " |"]
 
 
+def overhead_samples(results: list[dict[str, Any]]
+                     ) -> tuple[list[float], list[float], list[float]]:
+    """TTFTs in ms of the requests sent directly, of those through the proxy, and the
+    differences (proxy − direct) of consecutive pairs: requests alternate between the two,
+    one at a time, so a pair shares the deployment's state and drift cancels out."""
+    direct: list[float] = []
+    proxied: list[float] = []
+    pairs: list[float] = []
+    for r in results:
+        rows = list(zip(r.get("targets", []), r.get("ttfts", []), r.get("errors", []),
+                        strict=False))
+        for target, ttft, err in rows:
+            if not err:
+                (direct if target == "pd-direct" else proxied).append(ttft * 1000)
+        for (ta, a, ea), (tb, b, eb) in zip(rows[::2], rows[1::2], strict=False):
+            if not ea and not eb and (ta == "pd-direct") != (tb == "pd-direct"):
+                pairs.append(1000 * ((b - a) if ta == "pd-direct" else (a - b)))
+    return direct, proxied, pairs
+
+
 def overhead_section(runs: dict[str, Any]) -> list[str]:
-    lines = ["| path | runs | requests ok | median TTFT (ms) | median ITL (ms) |",
-             "|---|---|---|---|---|"]
-    for how, label in (("direct", "client sends P and D legs itself"),
-                       ("proxy", "through `pdserve proxy --mode push`")):
-        rs = runs["overhead"][how]
-        ok = sum(r["completed"] for r in rs)
-        lines.append(f"| {label} | {len(rs)} | {ok} | {_ms(_pooled_median_ttft_ms(rs))} | "
-                     f"{_ms(_pooled_median_itl_ms(rs))} |")
-    return lines
+    direct, proxied, pairs = overhead_samples(runs["overhead"])
+    if not pairs:
+        return ["not measured (see pd_raw/logs)"]
+    p50 = statistics.median
+
+    def row(label: str, values: list[float]) -> str:
+        return f"| {label} | {len(values)} | {p50(values):.1f} |"
+
+    return ["| path | requests | median TTFT (ms) |", "|---|---|---|",
+            row("client sends P and D legs itself", direct),
+            row("through `pdserve proxy --mode push`", proxied),
+            row("proxy − direct, consecutive pairs", pairs)]
 
 
 # ---- plot ---------------------------------------------------------------------------------
@@ -282,10 +291,11 @@ def render(runs: dict[str, Any], model_dir: str | None, plot_name: str | None) -
         "requests/s meeting every SLO: " + (", ".join(f"{k} ≤ {v:g} ms"
                                                        for k, v in slos.items()) or "—") + ".",
         "- Proxy overhead: push deployment, 64 in / 8 out, one request at a time, spaced "
-        "(near-periodic arrivals) so each meets an idle deployment; median TTFT through the "
-        "proxy minus median TTFT when the load generator sends the same P leg and D leg itself "
-        "(`bench serve --pd-prefill-url/--pd-decode-url`): same engines, same legs, without "
-        "the proxy's HTTP hop. Two alternating rounds each, pooled.",
+        "(near-periodic arrivals) so each meets an idle deployment, alternating request by "
+        "request between the proxy and the load generator sending the same P leg and D leg "
+        "itself (`bench serve --base-url PROXY --pd-prefill-url P --pd-decode-url D`): same "
+        "engines, same legs, without the proxy's HTTP hop. The overhead is the median of the "
+        "TTFT differences of consecutive (direct, proxy) pairs.",
         "",
         "## Goals",
         "",

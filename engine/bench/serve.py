@@ -67,7 +67,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                         help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
     target.add_argument("--pd-prefill-url", default=None, metavar="URL",
-                        help="with --pd-decode-url: play the push proxy's part (no proxy)")
+                        help="with --pd-decode-url: play the push proxy's part (no proxy); "
+                        "given with --base-url too, requests alternate between the base URLs "
+                        "and this direct pair (results also per target: `by_target`)")
     target.add_argument("--pd-decode-url", default=None, metavar="URL")
     target.add_argument("--request-timeout", type=float, default=600.0, metavar="S")
 
@@ -126,8 +128,6 @@ def _check_args(args: argparse.Namespace) -> None:
                          "/v1/completions is needed (chat is not supported)")
     if bool(args.pd_prefill_url) != bool(args.pd_decode_url):
         raise ValueError("--pd-prefill-url and --pd-decode-url go together")
-    if args.pd_prefill_url and args.base_url:
-        raise ValueError("give --base-url or --pd-prefill-url/--pd-decode-url, not both")
     if args.dataset_path and args.random_mix:
         raise ValueError("give --dataset-path or --random-mix, not both")
 
@@ -187,13 +187,22 @@ class Target:
         if self.pd is not None:
             self.pd_info = await fetch_prefill_info(self.client, args.pd_prefill_url)
 
+    @property
+    def names(self) -> list[str]:
+        """One name per target, in round-robin order: each base URL, then the direct P/D pair."""
+        return [*(self.args.base_url or []), *(["pd-direct"] if self.pd is not None else [])]
+
     async def send(self, index: int, req: BenchRequest, t0: float) -> RequestResult:
         payload = completion_payload(req, self.model, self.ignore_eos)
-        if self.pd is not None:
-            return await send_pd_direct(self.client, self.pd[0], self.pd[1], self.pd_info,
-                                        payload, req, self.headers, t0)
-        return await send_completion(self.client, self.urls[index % len(self.urls)], payload,
-                                     req, self.headers, t0)
+        slot = index % len(self.names)
+        if slot == len(self.urls):
+            result = await send_pd_direct(self.client, self.pd[0], self.pd[1], self.pd_info,
+                                          payload, req, self.headers, t0)
+        else:
+            result = await send_completion(self.client, self.urls[slot], payload, req,
+                                           self.headers, t0)
+        result.target = self.names[slot]
+        return result
 
 
 async def _warm_up(target: Target, warmups: list[BenchRequest]) -> None:
@@ -274,15 +283,18 @@ def build_result(args: argparse.Namespace, results: list[RequestResult], duratio
                      f"random:{args.random_input_len}x{args.random_output_len}"),
     }
     out.update(summarize(results, duration, percentiles=percentiles, slos=slos))
-    kinds = {r.kind for r in results}
-    if len(kinds) > 1:
+    if len({r.kind for r in results}) > 1:
         out["by_kind"] = summarize_by_kind(results, duration, percentiles=percentiles,
                                            slos=slos)
+    if len({r.target for r in results}) > 1:
+        out["by_target"] = summarize_by_kind(results, duration, percentiles=percentiles,
+                                             slos=slos, key="target")
     errors = [r.error for r in results if not r.success]
     out["first_errors"] = errors[:5]
     if args.save_detailed:
         out.update(
             kinds=[r.kind for r in results],
+            targets=[r.target for r in results],
             input_lens=[r.prompt_len for r in results],
             output_lens=[r.output_tokens for r in results],
             ttfts=[r.ttft for r in results],

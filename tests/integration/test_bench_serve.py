@@ -121,24 +121,26 @@ def test_bad_arguments_are_an_error_not_a_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_pd_direct_mode_moves_kv_without_a_proxy(tiny_model, tmp_path):
+def test_pd_direct_mode_moves_kv_and_interleaves_with_the_proxy(tiny_model, tmp_path):
     from pd_harness import deployment, metric
 
-    with deployment(tiny_model, "push", num_blocks=256, with_proxy=False) as dep:
+    with deployment(tiny_model, "push", num_blocks=256) as dep:
         before = metric(dep.d, "pdserve:kv_remote_prefill_tokens_total")
-        r, proc = bench(tmp_path, "--pd-prefill-url", dep.p.url, "--pd-decode-url", dep.d.url,
-                        "--tokenizer", tiny_model, "--model", "m", "--num-prompts", "3",
+        r, proc = bench(tmp_path, "--base-url", dep.proxy.url, "--pd-prefill-url", dep.p.url,
+                        "--pd-decode-url", dep.d.url, "--save-detailed",
+                        "--tokenizer", tiny_model, "--model", "m", "--num-prompts", "4",
                         "--random-input-len", "48", "--random-output-len", "4",
                         "--max-concurrency", "1", "--num-warmups", "0")
         assert proc.returncode == 0, proc.stderr + proc.stdout
         moved = metric(dep.d, "pdserve:kv_remote_prefill_tokens_total") - before
-    assert (r["completed"], r["failed"]) == (3, 0)
-    assert r["total_output_tokens"] == 12
-    # D received every prompt token but the last one of each request from P
-    assert moved == 3 * 47
-
-
-# ---- pure parts ---------------------------------------------------------------------------
+    assert (r["completed"], r["failed"]) == (4, 0)
+    assert r["total_output_tokens"] == 16
+    # request by request: proxy, direct, proxy, direct; each summarised on its own
+    assert r["targets"] == [dep.proxy.url, "pd-direct"] * 2
+    assert {t: s["completed"] for t, s in r["by_target"].items()} == {
+        dep.proxy.url: 2, "pd-direct": 2}
+    # D received every prompt token but the last one of each request from P, both ways
+    assert moved == 4 * 47
 
 
 def test_mix_counts_are_exact_and_order_is_seeded():
@@ -200,12 +202,16 @@ def test_report_computes_goals_and_marks_missing_inputs(tmp_path):
                    kinds=["1024x64"])
         return out
 
+    def interleaved(ttfts: list[float]) -> dict:
+        """Proxy and direct alternating, as bench serve sends them with both targets."""
+        targets = ["http://proxy", "pd-direct"] * (len(ttfts) // 2)
+        return {"ttfts": ttfts, "targets": targets, "errors": [""] * len(ttfts)}
+
     raw = tmp_path / "raw"
     raw.mkdir()
     files = {"push__A_r0.5": run(0.7, 0.05, 0.5), "pull__A_r0.5": run(1.0, 0.05, 0.5),
              "push__mix": run(0.2, 0.04, 1.0), "colocated__mix": run(0.2, 0.10, 1.0),
-             "overhead_direct_1": run(0.100, 0.01, 1.0),
-             "overhead_proxy_1": run(0.1015, 0.01, 1.0)}
+             "overhead_1": interleaved([0.100, 0.1015, 0.200, 0.2010, 0.150, 0.1525])}
     for name, data in files.items():
         (raw / f"{name}.json").write_text(json.dumps(data))
     (raw / "loadavg.txt").write_text("start 1.00 0.50 0.20\n")
@@ -216,7 +222,9 @@ def test_report_computes_goals_and_marks_missing_inputs(tmp_path):
     assert numbers["push_over_pull_ttft"] == {"0.5": pytest.approx(0.7)}
     assert numbers["push_over_colocated_p99_itl"] == pytest.approx(0.4)
     assert numbers["pull_over_colocated_p99_itl"] is None  # no pull mix run
-    assert numbers["proxy_overhead_ms"] == pytest.approx(1.5)
+    # pairs (proxy − direct): −1.5, −1.0, −2.5 ms; the difference of the medians would be
+    # 150 − 152.5 = −2.5 ms, the paired median is −1.5
+    assert numbers["proxy_overhead_ms"] == pytest.approx(-1.5)
     assert numbers["transfer_ratio"] is None
     assert "start: 1.00 0.50 0.20" in text
     assert text.count("not measured") >= 2
