@@ -450,14 +450,19 @@ class _Stream(threading.Thread):
 
 def test_engine_death_fails_open_requests_fast(servers):
     server = servers["death"]
-    streams = [_Stream(server.url, 400) for _ in range(3)]
+    longest = MAX_MODEL_LEN - 16
+    streams = [_Stream(server.url, longest) for _ in range(3)]
     for s in streams:
         s.start()
     for s in streams:
         assert s.first.wait(120) and s.status == 200 and s.events
-    waiting = _Stream(server.url, 400, stream=False)  # a non-streaming request in flight too
+    waiting = _Stream(server.url, longest, stream=False)  # a non-streaming one in flight too
     waiting.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while _metric(httpx.get(server.url + "/metrics", timeout=5).text,
+                  "pdserve:num_requests_running") < 4:
+        assert time.monotonic() < deadline, "the non-streaming request never started"
+        time.sleep(0.01)
     core = _engine_core(server)
     core.send_signal(signal.SIGKILL)
     killed = time.monotonic()
