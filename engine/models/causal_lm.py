@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.models.arch import ModelArch
 from engine.models.layers import AllReduceFn, AttentionFn, DecoderLayer, empty_param, rms_norm
+from engine.models.linear import linear
 from engine.models.rope import build_cos_sin_cache
 
 
@@ -80,4 +81,4 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] (rows of forward's output) -> float32 logits [N, vocab_size]."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()

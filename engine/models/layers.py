@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.arch import ModelArch
+from engine.models.linear import linear
 from engine.models.rope import apply_rotary
 
 # attn(layer_idx, q [T, H, D], k [T, KV, D], v [T, KV, D]) -> [T, H, D]
@@ -79,7 +80,7 @@ class DecoderLayer(nn.Module):
     def _attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    attn: AttentionFn, all_reduce: AllReduceFn | None) -> torch.Tensor:
         n = h.shape[0]
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        qkv = linear(h, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
@@ -90,7 +91,7 @@ class DecoderLayer(nn.Module):
         k = apply_rotary(k, cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim).contiguous()
         o = attn(self.layer_idx, q, k, v)
-        out = F.linear(o.reshape(n, self.q_size), self.o_weight)
+        out = linear(o.reshape(n, self.q_size), self.o_weight)
         if all_reduce is not None:
             out = all_reduce(out)
         if self.o_bias is not None:
@@ -98,9 +99,9 @@ class DecoderLayer(nn.Module):
         return out
 
     def _mlp(self, h: torch.Tensor, all_reduce: AllReduceFn | None) -> torch.Tensor:
-        gate_up = F.linear(h, self.gate_up_weight)
+        gate_up = linear(h, self.gate_up_weight)
         gate, up = gate_up.split((self.inter_size, self.inter_size), dim=-1)
-        out = F.linear(F.silu(gate) * up, self.down_weight)
+        out = linear(F.silu(gate) * up, self.down_weight)
         if all_reduce is not None:
             out = all_reduce(out)
         return out

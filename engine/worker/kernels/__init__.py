@@ -1,14 +1,17 @@
 """Compiled CPU kernels, built once per machine with torch's C++ extension builder.
 
-`paged_attention()` returns the compiled module (see paged_attention.cpp) or None, in which
-case the caller uses its pure-torch path. The build is keyed by the source, the compiler
+One extension module holds them all (bindings in ops.cpp): `paged_decode` (paged decode
+attention, paged_attention.cpp) and `skinny_linear` (matmuls with few rows,
+skinny_linear.cpp). `paged_attention()` and `linear_kernel()` return the module or None, in
+which case the caller uses its pure-torch path. The build is keyed by the sources, the compiler
 flags, the torch version and the CPU (the code is built with -march=native) and cached as one
 shared object under $PDSERVE_KERNEL_CACHE (default ~/.cache/pdserve/kernels). A process that
 finds it imports it directly; one that does not builds it in a private temporary directory and
 moves the result into place atomically, so concurrent builders never wait on each other and a
 builder killed midway leaves no lock behind. `make install` builds it ahead of time
 (`python -m engine.worker.kernels`), so no engine start pays for the compiler.
-PDSERVE_ATTENTION=torch turns the kernel off (for comparisons and as an escape hatch).
+PDSERVE_ATTENTION=torch and PDSERVE_LINEAR=torch turn the kernels off (for comparisons and as
+escape hatches).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_SOURCES = [Path(__file__).with_name(n)
+            for n in ("ops.cpp", "paged_attention.cpp", "skinny_linear.cpp")]
 # -fopenmp: at::parallel_for is inlined into the kernel and parallel only with OpenMP on; the
 # extension then shares torch's own libgomp.so.1 (the loader finds it already loaded).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -47,10 +51,10 @@ def cached_path() -> tuple[str, Path]:
     import torch
 
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(_CFLAGS).encode(), torch.__version__.encode(),
-                 _cpu_id().encode()):
+    for part in (*(src.read_bytes() for src in _SOURCES), " ".join(_CFLAGS).encode(),
+                 torch.__version__.encode(), _cpu_id().encode()):
         key.update(part)
-    name = f"pdserve_paged_attention_{key.hexdigest()[:12]}"
+    name = f"pdserve_kernels_{key.hexdigest()[:12]}"
     root = Path(os.environ.get("PDSERVE_KERNEL_CACHE",
                                Path.home() / ".cache" / "pdserve" / "kernels"))
     return name, root / f"{name}.so"
@@ -73,7 +77,7 @@ def _build(name: str, dest: Path) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="build-", dir=dest.parent))
     try:
-        load(name=name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+        load(name=name, sources=[str(src) for src in _SOURCES], extra_cflags=_CFLAGS,
              extra_ldflags=["-fopenmp"], build_directory=str(tmp), verbose=False)
         os.replace(tmp / f"{name}.so", dest)
     finally:
@@ -81,25 +85,42 @@ def _build(name: str, dest: Path) -> None:
 
 
 @functools.cache
-def paged_attention() -> ModuleType | None:
-    if os.environ.get("PDSERVE_ATTENTION", "kernel") == "torch":
-        return None
+def compiled() -> ModuleType | None:
+    """The kernels' module, built first if this machine has no build yet; None if it fails."""
     try:
         import torch  # noqa: F401  (the extension links against torch's libraries)
 
         name, path = cached_path()
         if not path.exists():
-            logger.info("building the paged attention kernel into %s", path)
+            logger.info("building the CPU kernels into %s", path)
             _build(name, path)
         return _import(name, path)
     except Exception as e:  # no compiler, no ninja, a build error: fall back, say why once
         first = str(e).splitlines()[0] if str(e) else ""
-        logger.warning("paged attention kernel unavailable (%s: %s); using the torch path",
+        logger.warning("compiled CPU kernels unavailable (%s: %s); using the torch paths",
                        type(e).__name__, first)
         return None
 
 
+def paged_attention() -> ModuleType | None:
+    """The module with `paged_decode`, unless PDSERVE_ATTENTION=torch."""
+    if os.environ.get("PDSERVE_ATTENTION", "kernel") == "torch":
+        return None
+    return compiled()
+
+
+@functools.cache
+def linear_kernel() -> ModuleType | None:
+    """The module with `skinny_linear`, unless PDSERVE_LINEAR=torch or the CPU lacks AVX2/FMA."""
+    if os.environ.get("PDSERVE_LINEAR", "kernel") == "torch":
+        return None
+    mod = compiled()
+    return mod if mod is not None and mod.has_skinny_linear() else None
+
+
 def main() -> int:
-    mod = paged_attention()
-    print(f"paged attention kernel: {'ready' if mod else 'NOT available'} ({cached_path()[1]})")
+    mod = compiled()
+    linear = "with" if mod is not None and mod.has_skinny_linear() else "without"
+    print(f"CPU kernels: {'ready' if mod else 'NOT available'}, {linear} skinny_linear "
+          f"({cached_path()[1]})")
     return 0 if mod else 1

@@ -123,6 +123,8 @@ void decode_seqs(float* out, const float* q, const T* chunks, const int64_t* tab
   }
 }
 
+}  // namespace
+
 // out, q: float32 [T, H, D] (out is written only at `rows`); chunks: [N, bs, KV, D];
 // table: int64 [B, max_blocks]; rows, ctx_lens: int64 [B].
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor chunks, torch::Tensor table,
@@ -156,10 +158,4 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor chunks, torc
                             group, dim, s);
     });
   });
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
 }
