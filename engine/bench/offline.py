@@ -3,14 +3,21 @@
 Both run in the same process on the same random prompts (fixed input length, greedy,
 exactly --output-len new tokens each), one after the other; the result is the ratio of
 their output-token throughputs.
+
+--matmul-time also reports how long each spent in its matmuls (the model's linear layers,
+timed call by call; ours then runs its EngineCore in-process so the calls can be timed).
+Both multiply the same float32 weights by the same tokens, so the matmul time bounds what
+any engine on the same matmul library can gain.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import time
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -25,6 +32,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-batch-size", type=int, default=0,
                         help="transformers batch size (0 = all prompts at once)")
     parser.add_argument("--skip-hf", action="store_true", help="measure only pdserve")
+    parser.add_argument("--matmul-time", action="store_true",
+                        help="also time the matmuls of both (ours runs in-process then)")
     parser.add_argument("--result-json", default=None)
 
 
@@ -39,30 +48,63 @@ def _prompts(model: str, n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.choice(allowed) for _ in range(length)] for _ in range(n)]
 
 
-def _run_ours(args: argparse.Namespace, prompts: list[list[int]]) -> float:
+@contextlib.contextmanager
+def _timed(owners: list[Any], name: str, total: list[float]) -> Iterator[None]:
+    """Replaces owner.name (the same function in each owner) by a wrapper adding its wall time
+    to total[0]; restores it on exit."""
+    real = getattr(owners[0], name)
+
+    def wrapper(*a: Any, **kw: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return real(*a, **kw)
+        finally:
+            total[0] += time.perf_counter() - start
+
+    for owner in owners:
+        setattr(owner, name, wrapper)
+    try:
+        yield
+    finally:
+        for owner in owners:
+            setattr(owner, name, real)
+
+
+def _run_ours(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, float]:
+    """(output tokens/s, seconds in matmuls or 0)."""
     from engine import LLM, SamplingParams
+    from engine.models import causal_lm, layers
 
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              multiprocess=not args.matmul_time)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    matmul = [0.0]
+    timing = (_timed([layers, causal_lm], "linear", matmul) if args.matmul_time
+              else contextlib.nullcontext())
+    with timing:
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
     llm.shutdown()
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    return produced / elapsed
+    return produced / elapsed, matmul[0]
 
 
-def _run_hf(args: argparse.Namespace, prompts: list[list[int]]) -> float:
+def _run_hf(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32).eval()
     bs = args.hf_batch_size or len(prompts)
     produced = 0
-    with torch.inference_mode():
+    matmul = [0.0]
+    timing = (_timed([torch.nn.Linear], "forward", matmul) if args.matmul_time
+              else contextlib.nullcontext())
+    with torch.inference_mode(), timing:
         model.generate(torch.tensor(prompts[:2]), max_new_tokens=2, do_sample=False)
+        matmul[0] = 0.0
         start = time.perf_counter()
         for i in range(0, len(prompts), bs):
             batch = torch.tensor(prompts[i:i + bs])
@@ -72,19 +114,27 @@ def _run_hf(args: argparse.Namespace, prompts: list[list[int]]) -> float:
             )
             produced += (out.shape[1] - batch.shape[1]) * batch.shape[0]
         elapsed = time.perf_counter() - start
-    return produced / elapsed
+    return produced / elapsed, matmul[0]
 
 
 def main(args: argparse.Namespace) -> int:
     prompts = _prompts(args.model, args.num_prompts, args.input_len, args.seed)
-    ours = _run_ours(args, prompts)
+    ours, ours_mm = _run_ours(args, prompts)
     result: dict[str, Any] = {
         "model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
         "output_len": args.output_len, "tokens_per_s": round(ours, 1),
     }
+    if args.matmul_time:
+        result.update(multiprocess=False, matmul_s=round(ours_mm, 3))
     if not args.skip_hf:
-        hf = _run_hf(args, prompts)
+        hf, hf_mm = _run_hf(args, prompts)
         result.update(hf_tokens_per_s=round(hf, 1), ratio=round(ours / hf, 3))
+        if args.matmul_time:
+            produced = args.num_prompts * args.output_len
+            hf_s = produced / hf
+            # The best ratio an engine could reach if it spent only transformers' matmul time.
+            result.update(hf_matmul_s=round(hf_mm, 3), hf_matmul_share=round(hf_mm / hf_s, 3),
+                          ratio_bound_at_hf_matmul_time=round(hf_s / hf_mm, 3))
     print(json.dumps(result, indent=2))
     if args.result_json:
         with open(args.result_json, "w") as f:
