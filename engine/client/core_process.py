@@ -53,6 +53,22 @@ DEFAULT_STARTUP_TIMEOUT_S = 600.0
 _REGISTRATION_TIMEOUT_S = 30.0
 
 
+def exit_code(proc: multiprocessing.process.BaseProcess, grace_s: float = 1.0) -> int | None:
+    """The child's exit code, None while it runs.
+
+    Two threads may join a child at once (the monitor and the owner). Only one of them reaps
+    it; the other's waitpid fails, and multiprocessing reports None to it until the reaper has
+    stored the code. So a child whose sentinel says it has ended is waited for, briefly.
+    """
+    code = proc.exitcode
+    if code is None and multiprocessing.connection.wait([proc.sentinel], 0):
+        deadline = time.monotonic() + grace_s
+        while code is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+            code = proc.exitcode
+    return code
+
+
 def _terminate(proc: multiprocessing.process.BaseProcess, timeout_s: float) -> None:
     if proc.pid is None or proc.exitcode is not None:
         return
@@ -135,7 +151,7 @@ class CoreProcess:
 
     @property
     def exitcode(self) -> int | None:
-        return self.proc.exitcode
+        return exit_code(self.proc)
 
     def _bind(self, ctx: zmq.Context, kind: int, name: str, host: str,
               sockets: list[zmq.Socket]) -> zmq.Socket:
@@ -204,9 +220,10 @@ class CoreProcess:
             ready = multiprocessing.connection.wait([self.proc.sentinel, self._monitor_stop_r])
             if self.proc.sentinel in ready and not self._closed:
                 self.proc.join(1.0)
+                code = self.exitcode
                 logger.error("engine core %d (pid %d) exited with code %s",
-                             self.engine_index, self.proc.pid, self.proc.exitcode)
-                on_exit(self.proc.exitcode)
+                             self.engine_index, self.proc.pid, code)
+                on_exit(code)
 
         self._monitor = threading.Thread(target=monitor, daemon=True,
                                          name=f"EngineCoreMonitor_{self.engine_index}")
