@@ -7,7 +7,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +98,15 @@ def deployment(model: str, mode: str = "push", *, num_blocks: int = 512,
     finally:
         for s in reversed(procs):
             s.stop()
+
+
+def wait_until(pred: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> None:
+    """Polls `pred` every 10 ms; fails the test naming `what` after `timeout` seconds."""
+    until = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > until:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
 
 
 def engine_stats(server: ServerProcess) -> dict[str, Any]:

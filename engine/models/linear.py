@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.worker.kernels import linear_kernel
+
 SKINNY_ROWS_PER_THREAD = 32
 
 
@@ -22,14 +24,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (x.dim() == 2 and x.shape[0] <= SKINNY_ROWS_PER_THREAD * torch.get_num_threads()
             and x.dtype == torch.float32
             and weight.dtype == torch.float32 and x.device.type == "cpu"):
-        kernel = _kernel()
+        kernel = linear_kernel()
         if kernel is not None:
             y = kernel.skinny_linear(x.contiguous(), weight.contiguous())
             return y if bias is None else y.add_(bias)
     return F.linear(x, weight, bias)
-
-
-def _kernel():
-    from engine.worker.kernels import linear_kernel
-
-    return linear_kernel()

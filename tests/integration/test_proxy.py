@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pd_harness import wait_until
 
 from proxy.app import build_app
 from proxy.backends import BackendPool
@@ -240,14 +241,6 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
-
-
-def wait_until(pred: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> None:
-    until = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > until:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 @dataclass

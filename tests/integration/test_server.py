@@ -19,6 +19,7 @@ import httpx
 import openai
 import psutil
 import pytest
+from pd_harness import wait_until
 
 from engine.server.launcher import ServerProcess, launch_server
 
@@ -383,10 +384,8 @@ def test_client_disconnect_aborts_the_request(server, client):
                      f"Authorization: {AUTH['Authorization']}\r\n"
                      f"Content-Type: application/json\r\nContent-Length: {len(payload)}"
                      "\r\n\r\n".encode() + payload)
-        deadline = time.monotonic() + 60
-        while _generated(server) == after_stream:
-            assert time.monotonic() < deadline, "the non-streaming request never started"
-            time.sleep(0.01)
+        wait_until(lambda: _generated(server) > after_stream, 60,
+                   "the non-streaming request to start")
     assert _settled(server) - after_stream < max_tokens / 2
     # The next request's outputs carry a fresh scheduler snapshot: only it may be running.
     client.completions.create(model=MODEL, prompt="x", max_tokens=2)
@@ -458,11 +457,9 @@ def test_engine_death_fails_open_requests_fast(servers):
         assert s.first.wait(120) and s.status == 200 and s.events
     waiting = _Stream(server.url, longest, stream=False)  # a non-streaming one in flight too
     waiting.start()
-    deadline = time.monotonic() + 30
-    while _metric(httpx.get(server.url + "/metrics", timeout=5).text,
-                  "pdserve:num_requests_running") < 4:
-        assert time.monotonic() < deadline, "the non-streaming request never started"
-        time.sleep(0.01)
+    wait_until(lambda: _metric(httpx.get(server.url + "/metrics", timeout=5).text,
+                               "pdserve:num_requests_running") >= 4, 30,
+               "the non-streaming request to start")
     core = _engine_core(server)
     core.send_signal(signal.SIGKILL)
     killed = time.monotonic()

@@ -74,7 +74,7 @@ def test_linear_uses_the_kernel_for_few_rows_and_f_linear_beyond(kernel, monkeyp
             calls.append(x.shape[0])
             return real(x, w)
 
-    monkeypatch.setattr(linear_mod, "_kernel", lambda: Spy())
+    monkeypatch.setattr(linear_mod, "linear_kernel", lambda: Spy())
     limit = linear_mod.SKINNY_ROWS_PER_THREAD * torch.get_num_threads()
     gen = torch.Generator().manual_seed(3)
     w, b = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
