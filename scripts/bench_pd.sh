@@ -13,8 +13,10 @@
 #   pull       `pdserve prefill` (core 0) + `pdserve decode` (core 1), NixlConnector,
 #              `pdserve proxy --mode pull`
 #   push       same with NixlPushConnector and `pdserve proxy --mode push`
-# Workloads (random token-id prompts, ignore_eos, exact lengths; a fresh seed per run so no
-# prompt is ever a prefix-cache hit):
+# Workloads (random token-id prompts, ignore_eos, exact lengths). Every system gets the same
+# seed for a workload, so the same prompts at the same arrival times: a push/pull comparison
+# at "the same load" is then one trace, not two Poisson draws. Seeds differ between the
+# workloads, and each system starts fresh, so no prompt is ever a prefix-cache hit:
 #   A   1024 input / 64 output tokens, Poisson arrivals at each rate of $RATES
 #   mix 90% 64-in/64-out (decode-heavy) + 10% 1024-in/64-out (prefill-heavy) at $MIX_RATE
 # Proxy overhead (push deployment, 64-in/8-out, one request at a time, sent about every
@@ -141,10 +143,10 @@ log "transfer microbenchmark (2048 tokens)"
     || log "transfer benchmark failed (see $RAW/logs/transfer.txt)"
 loadavg transfer
 
-seed=100
 for sys in $SYSTEMS; do
     log "system $sys: starting"
     start_system "$sys"
+    seed=100
     for rate in $RATES; do
         n=$(scaled "$rate" "$(scaled "$SCALE" "$SECONDS_PER_RATE" 1)" 8)
         seed=$((seed + 1))
@@ -152,18 +154,16 @@ for sys in $SYSTEMS; do
             --random-input-len 1024 --random-output-len 64 --request-rate "$rate" \
             --num-prompts "$n" --seed $seed
     done
-    seed=$((seed + 1))
     bench "$sys|mix 90% 64x64 + 10% 1024x64|$MIX_RATE" "${sys}__mix" "${TARGET[@]}" \
         --random-mix "0.9:64:64,0.1:1024:64" --request-rate "$MIX_RATE" \
-        --num-prompts "$(scaled "$SCALE" "$MIX_PROMPTS" 10)" --seed $seed
+        --num-prompts "$(scaled "$SCALE" "$MIX_PROMPTS" 10)" --seed 200
     if [ "$sys" = push ]; then
         for round in 1 2; do
-            seed=$((seed + 1))
             bench "push|overhead proxy/direct interleaved|$round" "overhead_$round" \
                 "${TARGET[@]}" --pd-prefill-url "$P_URL" --pd-decode-url "$D_URL" \
                 --random-input-len 64 --random-output-len 8 --max-concurrency 1 \
                 --request-rate "$OVERHEAD_RATE" --burstiness 50 \
-                --num-prompts "$(scaled "$SCALE" "$OVERHEAD_PROMPTS" 6)" --seed $seed
+                --num-prompts "$(scaled "$SCALE" "$OVERHEAD_PROMPTS" 6)" --seed $((300 + round))
         done
     fi
     log "system $sys: stopping"

@@ -31,7 +31,7 @@ class DrainingServer(uvicorn.Server):
         config = uvicorn.Config(
             app, host=host, port=port, lifespan="off", log_level=log_level,
             access_log=access_log, timeout_graceful_shutdown=drain_timeout,
-            timeout_keep_alive=5,
+            timeout_keep_alive=5, http="httptools",  # the C HTTP parser
         )
         super().__init__(config)
         self._app = app
