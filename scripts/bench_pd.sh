@@ -25,6 +25,10 @@
 #   (`bench serve --base-url PROXY --pd-prefill-url P --pd-decode-url D`): same P, same D,
 #   same legs, no proxy hop. The overhead is the median TTFT difference of consecutive
 #   (direct, proxy) pairs, so a drift of the deployment between runs cannot pass for it.
+# Disaggregation cost (pull and push, 1024-in/8-out, one request at a time, 0.5/s): requests
+#   alternate between the proxy and P serving the same kind of prompt as a plain request, so
+#   the paired difference is what disaggregation adds to P's prefill (transfer, D's first
+#   step, the proxy): the share of TTFT that pull vs push can change at all.
 # Output: $OUT/pd_bench.md (tables, goals), $OUT/pd_bench.png (TTFT/ITL CDFs), raw JSON and
 # server logs in $OUT/pd_raw/.
 set -euo pipefail
@@ -41,6 +45,7 @@ MIX_PROMPTS=${MIX_PROMPTS:-80}
 SECONDS_PER_RATE=${SECONDS_PER_RATE:-40}   # num-prompts = max(8, rate * this) for workload A
 OVERHEAD_PROMPTS=${OVERHEAD_PROMPTS:-60}   # per round, half through the proxy
 OVERHEAD_RATE=${OVERHEAD_RATE:-0.8}  # near-periodic (burstiness 50), one request at a time
+COST_PROMPTS=${COST_PROMPTS:-30}     # 1024-in/8-out, half through the proxy, half on P alone
 GOODPUT=${GOODPUT:-"ttft:2500 tpot:100"}
 PORT_BASE=${PORT_BASE:-18100}
 NUM_BLOCKS=${NUM_BLOCKS:-2048}
@@ -157,6 +162,14 @@ for sys in $SYSTEMS; do
     bench "$sys|mix 90% 64x64 + 10% 1024x64|$MIX_RATE" "${sys}__mix" "${TARGET[@]}" \
         --random-mix "0.9:64:64,0.1:1024:64" --request-rate "$MIX_RATE" \
         --num-prompts "$(scaled "$SCALE" "$MIX_PROMPTS" 10)" --seed 200
+    if [ "$sys" != colocated ]; then
+        # the proxy first, P second (the report takes the second target as the baseline)
+        bench "$sys|disaggregation cost: proxy/P alone interleaved" "${sys}__cost" \
+            "${TARGET[@]}" --base-url "$P_URL" \
+            --random-input-len 1024 --random-output-len 8 --max-concurrency 1 \
+            --request-rate 0.5 --burstiness 50 \
+            --num-prompts "$(scaled "$SCALE" "$COST_PROMPTS" 6)" --seed 400
+    fi
     if [ "$sys" = push ]; then
         for round in 1 2; do
             bench "push|overhead proxy/direct interleaved|$round" "overhead_$round" \

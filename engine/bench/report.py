@@ -2,7 +2,7 @@
 
 Reads the raw directory the script fills —
   `<system>__A_r<rate>.json`, `<system>__mix.json` (bench serve, --save-detailed),
-  `overhead_{direct,proxy}_<round>.json`, `transfer.json` (bench transfer), `loadavg.txt` —
+  `overhead_<round>.json`, `<system>__cost.json`, `transfer.json` (bench transfer), `loadavg.txt` —
 and writes one markdown file (machine, method, goals, tables) and one PNG (TTFT/ITL CDFs).
 A missing input leaves its row or goal marked "not measured"; it never fails the report.
 """
@@ -35,9 +35,9 @@ def _load(path: str) -> dict[str, Any] | None:
 
 
 def load_runs(raw: str) -> dict[str, Any]:
-    """{'A': {system: {rate: result}}, 'mix': {system: result}, 'overhead': {how: [results]},
-    'transfer': result|None, 'loadavg': [(phase, '1m 5m 15m')]}"""
-    runs: dict[str, Any] = {"A": {}, "mix": {}, "overhead": []}
+    """{'A': {system: {rate: result}}, 'mix': {system: result}, 'overhead': [results],
+    'cost': {system: result}, 'transfer': result|None, 'loadavg': [(phase, '1m 5m 15m')]}"""
+    runs: dict[str, Any] = {"A": {}, "mix": {}, "overhead": [], "cost": {}}
     for path in sorted(glob.glob(os.path.join(raw, "*.json"))):
         name = os.path.basename(path)[:-5]
         data = _load(path)
@@ -49,6 +49,8 @@ def load_runs(raw: str) -> dict[str, Any]:
             runs["mix"][m.group(1)] = data
         elif re.fullmatch(r"overhead_\d+", name):
             runs["overhead"].append(data)
+        elif m := re.fullmatch(r"(\w+)__cost", name):
+            runs["cost"][m.group(1)] = data
     runs["transfer"] = _load(os.path.join(raw, "transfer.json"))
     runs["loadavg"] = []
     try:
@@ -169,6 +171,7 @@ def goals(runs: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
     direct, proxied, pairs = overhead_samples(runs["overhead"])
     overhead = statistics.median(pairs) if pairs else None
     numbers["proxy_overhead_ms"] = overhead
+    numbers["disaggregation_added_ms"] = {s: c["added_ms"] for s, c in cost_numbers(runs).items()}
     shown = "—" if overhead is None else (
         f"median of {len(pairs)} paired differences: {overhead:+.1f} ms "
         f"(medians {statistics.median(proxied):.1f} vs {statistics.median(direct):.1f})")
@@ -187,24 +190,65 @@ def transfer_section(t: dict[str, Any] | None) -> list[str]:
             "| " + " | ".join(str(t[k]) for k in keys if k in t) + " |"]
 
 
-def overhead_samples(results: list[dict[str, Any]]
-                     ) -> tuple[list[float], list[float], list[float]]:
-    """TTFTs in ms of the requests sent directly, of those through the proxy, and the
-    differences (proxy − direct) of consecutive pairs: requests alternate between the two,
-    one at a time, so a pair shares the deployment's state and drift cancels out."""
-    direct: list[float] = []
-    proxied: list[float] = []
+def paired_samples(results: list[dict[str, Any]], baseline: str | None = None
+                   ) -> tuple[list[float], list[float], list[float]]:
+    """TTFTs in ms of the baseline's requests, of the others', and the differences
+    (other − baseline) of consecutive pairs: requests alternate between two targets, one at
+    a time, so a pair shares the deployment's state and drift cancels out. `baseline` is a
+    target name (default: "pd-direct", the load generator sending the legs itself)."""
+    base_name = baseline or "pd-direct"
+    base: list[float] = []
+    other: list[float] = []
     pairs: list[float] = []
     for r in results:
         rows = list(zip(r.get("targets", []), r.get("ttfts", []), r.get("errors", []),
                         strict=False))
         for target, ttft, err in rows:
             if not err:
-                (direct if target == "pd-direct" else proxied).append(ttft * 1000)
+                (base if target == base_name else other).append(ttft * 1000)
         for (ta, a, ea), (tb, b, eb) in zip(rows[::2], rows[1::2], strict=False):
-            if not ea and not eb and (ta == "pd-direct") != (tb == "pd-direct"):
-                pairs.append(1000 * ((b - a) if ta == "pd-direct" else (a - b)))
-    return direct, proxied, pairs
+            if not ea and not eb and (ta == base_name) != (tb == base_name):
+                pairs.append(1000 * ((b - a) if ta == base_name else (a - b)))
+    return base, other, pairs
+
+
+def overhead_samples(results: list[dict[str, Any]]
+                     ) -> tuple[list[float], list[float], list[float]]:
+    """Proxy overhead: (direct, through the proxy, proxy − direct pairs), in ms."""
+    return paired_samples(results)
+
+
+def cost_numbers(runs: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per P/D system: median TTFT of the same prompts on P alone and through the proxy, and
+    the median paired difference: what disaggregation (transfer, D's first step, the proxy)
+    adds to a TTFT that is otherwise P's prefill."""
+    out = {}
+    for system, r in sorted(runs["cost"].items()):
+        targets = list(dict.fromkeys(r.get("targets", [])))
+        if len(targets) != 2:
+            continue
+        # bench_pd.sh names the proxy first and P second: P alone is the baseline
+        base, other, pairs = paired_samples([r], targets[1])
+        if pairs:
+            out[system] = {"p_alone_ms": statistics.median(base),
+                           "through_proxy_ms": statistics.median(other),
+                           "added_ms": statistics.median(pairs), "pairs": len(pairs)}
+    return out
+
+
+def cost_section(runs: dict[str, Any]) -> list[str]:
+    costs = cost_numbers(runs)
+    if not costs:
+        return ["not measured (see pd_raw/logs)"]
+    lines = ["| system | pairs | TTFT on P alone | TTFT through the proxy | added by "
+             "disaggregation (paired median) |", "|---|---|---|---|---|"]
+    for system, c in costs.items():
+        lines.append(f"| {system} | {c['pairs']} | {c['p_alone_ms']:.0f} | "
+                     f"{c['through_proxy_ms']:.0f} | {c['added_ms']:+.1f} |")
+    if "push" in costs and "pull" in costs and costs["pull"]["added_ms"] > 0:
+        lines += ["", f"push adds {costs['push']['added_ms'] / costs['pull']['added_ms']:.2f} "
+                  "× what pull adds."]
+    return lines
 
 
 def overhead_section(runs: dict[str, Any]) -> list[str]:
@@ -285,8 +329,9 @@ def render(runs: dict[str, Any], model_dir: str | None, plot_name: str | None) -
         "(two `--base-url`). pull / push: `pdserve prefill` on core 0, `pdserve decode` on "
         "core 1, `pdserve proxy --mode pull|push`; proxy and load generator are unpinned.",
         "- Workload A: random token-id prompts, 1024 in / 64 out (ignore_eos), Poisson "
-        "arrivals. Mixed: 90% 64 in / 64 out, 10% 1024 in / 64 out. Fresh prompts per run "
-        "(no prefix-cache hits).",
+        "arrivals. Mixed: 90% 64 in / 64 out, 10% 1024 in / 64 out. Every system gets the "
+        "same prompts at the same arrival times (one seed per workload); each system starts "
+        "fresh and seeds differ between workloads (no prefix-cache hits).",
         "- Latencies in ms, measured by `pdserve bench serve` on the client. Goodput = "
         "requests/s meeting every SLO: " + (", ".join(f"{k} ≤ {v:g} ms"
                                                        for k, v in slos.items()) or "—") + ".",
@@ -311,6 +356,12 @@ def render(runs: dict[str, Any], model_dir: str | None, plot_name: str | None) -
     out += ["## KV transfer microbenchmark (`pdserve bench transfer --num-tokens 2048`)", "",
             *transfer_section(runs["transfer"]), "",
             "## Proxy overhead", "", *overhead_section(runs), "",
+            "## What disaggregation adds to TTFT", "",
+            "1024 in / 8 out, one request at a time (near-periodic, 0.5/s), alternating "
+            "request by request between the proxy and P itself serving the prompt as a plain "
+            "request: the difference is the transfer, D's first step and the proxy; the rest "
+            "of the TTFT is P's prefill, the same in both modes.", "",
+            *cost_section(runs), "",
             "<!-- numbers: " + json.dumps(numbers) + " -->", ""]
     return "\n".join(out)
 
