@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import aiohttp
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -53,21 +54,21 @@ class ProxyState:
         self.backend_auth = (
             {"authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         )
-        self.client: httpx.AsyncClient | None = None
+        self.client: aiohttp.ClientSession | None = None
         self.control: httpx.AsyncClient | None = None
         self.dispatcher: Dispatcher | None = None
         self.health: HealthMonitor | None = None
 
     async def start(self) -> None:
         c = self.config
-        # legs get their own pool, so long streams can never starve health checks
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(c.request_timeout, connect=c.connect_timeout),
-            limits=httpx.Limits(max_connections=c.max_connections,
-                                max_keepalive_connections=min(c.max_connections, 256),
-                                keepalive_expiry=_KEEPALIVE_EXPIRY),
+        # legs get their own pool, so long streams can never starve health checks; aiohttp
+        # (C HTTP parser) costs less per leg than httpx, on every request's TTFT
+        self.client = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=c.max_connections, limit_per_host=0,
+                                           keepalive_timeout=_KEEPALIVE_EXPIRY),
+            timeout=aiohttp.ClientTimeout(total=c.request_timeout, connect=c.connect_timeout),
             headers={"accept-encoding": "identity"},
-            trust_env=False,
+            auto_decompress=False,
         )
         self.control = httpx.AsyncClient(
             timeout=httpx.Timeout(c.health_timeout),
@@ -92,9 +93,10 @@ class ProxyState:
             await self.health.stop()
         if self.dispatcher is not None:
             await self.dispatcher.shutdown()
-        for client in (self.client, self.control):
-            if client is not None:
-                await client.aclose()
+        if self.client is not None:
+            await self.client.close()
+        if self.control is not None:
+            await self.control.aclose()
 
     # ---- request handling ---------------------------------------------------------------
 

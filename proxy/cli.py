@@ -65,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per leg
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per health check
     sock = _listen_socket(config.host, config.port)
     # uvloop and httptools (C event loop, C HTTP parser): the proxy is one more HTTP hop on
     # every request's TTFT, and asyncio+h11 cost about 2 ms more per request here

@@ -18,7 +18,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 from starlette.responses import Response
 
 from proxy.backends import BackendPool, Lease
@@ -64,11 +64,14 @@ class RequestContext:
         return self.deadline - time.monotonic()
 
 
+_LEG_BACKSTOP_S = 1.0
+
+
 class Dispatcher:
     def __init__(
         self,
         config: ProxyConfig,
-        client: httpx.AsyncClient,
+        client: aiohttp.ClientSession,
         prefill: BackendPool,
         decode: BackendPool,
         kv_info: KVInfoCache,
@@ -162,9 +165,12 @@ class Dispatcher:
 
     # ---- shared steps -------------------------------------------------------------------
 
-    def _leg_timeout(self, ctx: RequestContext) -> httpx.Timeout:
+    def _leg_timeout(self, ctx: RequestContext) -> aiohttp.ClientTimeout:
+        # The request deadline is enforced by the waits (here and in the relay), which answer
+        # 504 "timeout"; a leg's own total is only a backstop just after it.
         remaining = max(0.001, ctx.remaining())
-        return httpx.Timeout(remaining, connect=min(self.config.connect_timeout, remaining))
+        return aiohttp.ClientTimeout(total=remaining + _LEG_BACKSTOP_S,
+                                     connect=min(self.config.connect_timeout, remaining))
 
     async def _prefill_leg(
         self, ctx: RequestContext, lease: Lease, body: dict[str, Any]
@@ -318,5 +324,5 @@ async def _discard_decode(opening: asyncio.Task[DecodeStream]) -> None:
     if opening.cancelled() or opening.exception() is not None:
         return
     stream = opening.result()
-    await stream.response.aclose()
+    stream.close()
     stream.lease.release()

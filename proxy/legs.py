@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 
 from proxy.backends import BackendPool, Lease
 from proxy.errors import ProxyError, backend_error_body
@@ -134,34 +134,34 @@ class PrefillResult:
 
 
 async def run_prefill_leg(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     pool: BackendPool,
     lease: Lease,
     path: str,
     body: dict[str, Any],
     headers: dict[str, str],
-    timeout: httpx.Timeout,
+    timeout: aiohttp.ClientTimeout,
 ) -> PrefillResult:
     url = lease.url
     try:
-        resp = await client.post(url + path, content=encode(body), headers=headers,
-                                 timeout=timeout)
-    except httpx.TimeoutException as exc:
+        async with client.post(url + path, data=encode(body), headers=headers,
+                               timeout=timeout) as resp:
+            status, content = resp.status, await resp.read()
+    except TimeoutError as exc:  # aiohttp's timeouts are TimeoutErrors (before ClientError)
         pool.record_failure(lease.backend, "timeout", fatal=False)
         return PrefillResult(url, None, b"", f"timed out ({type(exc).__name__})")
-    except httpx.HTTPError as exc:
+    except aiohttp.ClientError as exc:
         pool.record_failure(lease.backend, "connection", fatal=True)
         return PrefillResult(url, None, b"", f"{type(exc).__name__}: {exc}")
     finally:
         lease.release()
-    if resp.status_code == 200:
+    if status == 200:
         pool.record_success(lease.backend)
-        return PrefillResult(url, 200, resp.content)
-    _, detail = backend_error_body(resp.content)
-    if resp.status_code >= 500:
-        pool.record_failure(lease.backend, f"http_{resp.status_code}", fatal=False)
-    return PrefillResult(url, resp.status_code, resp.content,
-                         f"answered {resp.status_code}: {detail}")
+        return PrefillResult(url, 200, content)
+    _, detail = backend_error_body(content)
+    if status >= 500:
+        pool.record_failure(lease.backend, f"http_{status}", fatal=False)
+    return PrefillResult(url, status, content, f"answered {status}: {detail}")
 
 
 # ---- decode leg ---------------------------------------------------------------------------
@@ -172,13 +172,25 @@ class DecodeStream:
     """D's response, open, with its first body chunk already read (None: empty body)."""
 
     lease: Lease
-    response: httpx.Response
+    response: aiohttp.ClientResponse
     chunks: AsyncIterator[bytes]
     first_chunk: bytes | None
 
     @property
     def is_sse(self) -> bool:
         return self.response.headers.get("content-type", "").startswith("text/event-stream")
+
+    def close(self) -> None:
+        """Give the connection back when D's body was read to its end; otherwise close it,
+        which aborts D's request."""
+        close_response(self.response)
+
+
+def close_response(resp: aiohttp.ClientResponse) -> None:
+    if resp.content.at_eof():
+        resp.release()
+    else:
+        resp.close()
 
 
 async def cancel_and_wait(*tasks: asyncio.Future[Any]) -> None:
@@ -201,40 +213,39 @@ async def next_chunk(chunks: AsyncIterator[bytes]) -> bytes | None:
 
 
 async def open_decode_leg(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     pool: BackendPool,
     lease: Lease,
     path: str,
     body: dict[str, Any],
     headers: dict[str, str],
-    timeout: httpx.Timeout,
+    timeout: aiohttp.ClientTimeout,
     request_id: str,
 ) -> DecodeStream:
     """Send the D leg and wait for its first chunk. On any failure the lease is released, the
     backend is counted as failing, and a ProxyError naming D is raised. On success the caller
     owns `lease` and `response` (close both)."""
     url = lease.url
-    resp: httpx.Response | None = None
+    resp: aiohttp.ClientResponse | None = None
     try:
-        request = client.build_request("POST", url + path, content=encode(body),
-                                       headers=headers, timeout=timeout)
         try:
-            resp = await client.send(request, stream=True)
-        except httpx.TimeoutException as exc:
-            pool.record_failure(lease.backend, "timeout", fatal=False)
-            raise ProxyError(504, f"request {request_id}: decode backend {url} timed out "
-                             f"({type(exc).__name__})", code="decode_timeout") from exc
-        except httpx.HTTPError as exc:
+            resp = await client.post(url + path, data=encode(body), headers=headers,
+                                     timeout=timeout)
+        except TimeoutError as exc:
+            raise _decode_timeout(pool, lease, request_id, exc) from exc
+        except aiohttp.ClientError as exc:
             pool.record_failure(lease.backend, "connection", fatal=True)
             raise ProxyError(502, f"request {request_id}: decode backend {url} failed: "
                              f"{type(exc).__name__}: {exc}", code="decode_failed") from exc
-        if resp.status_code != 200:
-            raw = await resp.aread()
-            raise _decode_status_error(pool, lease, resp.status_code, raw, request_id)
-        chunks = resp.aiter_bytes()
+        if resp.status != 200:
+            raw = await resp.read()
+            raise _decode_status_error(pool, lease, resp.status, raw, request_id)
+        chunks = resp.content.iter_any()
         try:
             first = await next_chunk(chunks)
-        except httpx.HTTPError as exc:
+        except TimeoutError as exc:
+            raise _decode_timeout(pool, lease, request_id, exc) from exc
+        except aiohttp.ClientError as exc:
             pool.record_failure(lease.backend, "connection", fatal=True)
             raise ProxyError(502, f"request {request_id}: decode backend {url} broke off: "
                              f"{type(exc).__name__}: {exc}", code="decode_failed") from exc
@@ -242,9 +253,16 @@ async def open_decode_leg(
         return DecodeStream(lease, resp, chunks, first)
     except BaseException:
         if resp is not None:
-            await resp.aclose()
+            close_response(resp)
         lease.release()
         raise
+
+
+def _decode_timeout(pool: BackendPool, lease: Lease, request_id: str,
+                    exc: BaseException) -> ProxyError:
+    pool.record_failure(lease.backend, "timeout", fatal=False)
+    return ProxyError(504, f"request {request_id}: decode backend {lease.url} timed out "
+                      f"({type(exc).__name__})", code="decode_timeout")
 
 
 def _decode_status_error(

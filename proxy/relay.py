@@ -19,8 +19,8 @@ import logging
 import time
 from collections.abc import Callable
 
+import aiohttp
 import anyio
-import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -123,7 +123,7 @@ class RelayResponse(Response):
                 await cancel_and_wait(pump, listener)
                 if reason == COMPLETED and not self._upstream_ended:
                     await self._drain_upstream()
-                await self.stream.response.aclose()
+                self.stream.close()
             finally:
                 self.stream.lease.release()
                 self.on_close(reason)
@@ -134,7 +134,7 @@ class RelayResponse(Response):
             try:
                 while await next_chunk(self.stream.chunks) is not None:
                     pass
-            except httpx.HTTPError:
+            except (aiohttp.ClientError, TimeoutError):
                 pass
 
     async def _pump(self, send: Send) -> str:
@@ -184,7 +184,7 @@ class RelayResponse(Response):
                 return await next_chunk(self.stream.chunks)
         except TimeoutError:
             raise self._timeout() from None
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             raise self._decode_broke(exc) from exc
 
     async def _next_watching_prefill(self, remaining: float) -> bytes | None:
@@ -219,7 +219,9 @@ class RelayResponse(Response):
     def _result(self, step: asyncio.Future[bytes | None]) -> bytes | None:
         try:
             return step.result()
-        except httpx.HTTPError as exc:
+        except TimeoutError:  # the leg's own total timeout: the same deadline
+            raise self._timeout() from None
+        except aiohttp.ClientError as exc:
             raise self._decode_broke(exc) from exc
 
     def _decode_broke(self, exc: Exception) -> _Abort:
