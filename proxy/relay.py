@@ -168,6 +168,9 @@ class RelayResponse(Response):
             # not SSE: returning without the final body message makes the server drop the
             # connection, so the client sees a broken response instead of a truncated one
             return abort.reason
+        # D's answer is complete: its leg no longer counts as outstanding. Released before
+        # the client sees the end, so a client's next request is balanced on the new count.
+        self.stream.lease.release()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return COMPLETED
 
