@@ -29,6 +29,10 @@
 #   alternate between the proxy and P serving the same kind of prompt as a plain request, so
 #   the paired difference is what disaggregation adds to P's prefill (transfer, D's first
 #   step, the proxy): the share of TTFT that pull vs push can change at all.
+# Push vs pull side by side (1024-in/8-out, one request at a time, 0.5/s): both deployments
+#   up at once, requests alternating between the two proxies: a light-load comparison that
+#   phase-to-phase drift of the machine (P's prefill speed moved by 25 % between phases of
+#   one run) cannot distort.
 # Output: $OUT/pd_bench.md (tables, goals), $OUT/pd_bench.png (TTFT/ITL CDFs), raw JSON and
 # server logs in $OUT/pd_raw/.
 set -euo pipefail
@@ -46,6 +50,7 @@ SECONDS_PER_RATE=${SECONDS_PER_RATE:-40}   # num-prompts = max(8, rate * this) f
 OVERHEAD_PROMPTS=${OVERHEAD_PROMPTS:-60}   # per round, half through the proxy
 OVERHEAD_RATE=${OVERHEAD_RATE:-0.8}  # near-periodic (burstiness 50), one request at a time
 COST_PROMPTS=${COST_PROMPTS:-30}     # 1024-in/8-out, half through the proxy, half on P alone
+PAIRED_MODES_PROMPTS=${PAIRED_MODES_PROMPTS:-40}  # 1024-in/8-out, half pull, half push; 0: skip
 GOODPUT=${GOODPUT:-"ttft:2500 tpot:100"}
 PORT_BASE=${PORT_BASE:-18100}
 NUM_BLOCKS=${NUM_BLOCKS:-2048}
@@ -182,6 +187,21 @@ for sys in $SYSTEMS; do
     log "system $sys: stopping"
     stop_all
 done
+if [ "$PAIRED_MODES_PROMPTS" -gt 0 ]; then
+    # Light-load push vs pull without drift between phases: both deployments up at once (both
+    # P on core 0, both D on core 1; one request at a time, so only one deployment works at a
+    # time), requests alternating between the pull proxy (first target) and the push proxy.
+    log "system pull+push side by side: starting"
+    start_system pull; PULL_TARGET=("${TARGET[@]}")
+    PORT_BASE=$((PORT_BASE + 20)) start_system push; PUSH_TARGET=("${TARGET[@]}")
+    bench "pull vs push side by side|1024x8 one at a time" "modes_paired" \
+        "${PULL_TARGET[@]}" "${PUSH_TARGET[@]}" \
+        --random-input-len 1024 --random-output-len 8 --max-concurrency 1 \
+        --request-rate 0.5 --burstiness 50 \
+        --num-prompts "$(scaled "$SCALE" "$PAIRED_MODES_PROMPTS" 6)" --seed 500
+    log "system pull+push side by side: stopping"
+    stop_all
+fi
 loadavg end
 
 "$BIN/python" -m engine.bench.report --raw "$RAW" --out "$OUT/pd_bench.md" \

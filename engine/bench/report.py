@@ -37,7 +37,8 @@ def _load(path: str) -> dict[str, Any] | None:
 def load_runs(raw: str) -> dict[str, Any]:
     """{'A': {system: {rate: result}}, 'mix': {system: result}, 'overhead': [results],
     'cost': {system: result}, 'transfer': result|None, 'loadavg': [(phase, '1m 5m 15m')]}"""
-    runs: dict[str, Any] = {"A": {}, "mix": {}, "overhead": [], "cost": {}}
+    runs: dict[str, Any] = {"A": {}, "mix": {}, "overhead": [], "cost": {},
+                            "modes_paired": None}
     for path in sorted(glob.glob(os.path.join(raw, "*.json"))):
         name = os.path.basename(path)[:-5]
         data = _load(path)
@@ -49,6 +50,8 @@ def load_runs(raw: str) -> dict[str, Any]:
             runs["mix"][m.group(1)] = data
         elif re.fullmatch(r"overhead_\d+", name):
             runs["overhead"].append(data)
+        elif name == "modes_paired":
+            runs["modes_paired"] = data
         elif m := re.fullmatch(r"(\w+)__cost", name):
             runs["cost"][m.group(1)] = data
     runs["transfer"] = _load(os.path.join(raw, "transfer.json"))
@@ -150,6 +153,17 @@ def goals(runs: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
                 f"push/pull = {measured} | {verdict(all(hits) if hits else None)}"
                 f"{f' ({sum(hits)} of {len(hits)} rates)' if hits else ''} |")
 
+    pull_ms, push_ms, pairs = paired_samples([runs["modes_paired"] or {}],
+                                             _first_target(runs["modes_paired"]))
+    ratio = _ratio(statistics.median(push_ms), statistics.median(pull_ms)) if pairs else None
+    numbers["push_over_pull_ttft_side_by_side"] = ratio
+    shown = "—" if ratio is None else (
+        f"{statistics.median(push_ms):.0f} / {statistics.median(pull_ms):.0f} ms = {ratio:.2f} "
+        f"(push − pull, {len(pairs)} pairs: {statistics.median(pairs):+.1f} ms)")
+    rows.append(f"| push median TTFT ≤ {GOAL_PUSH_TTFT} × pull, light load, both deployments up "
+                f"at once, requests alternating | {shown} | "
+                f"{verdict(None if ratio is None else ratio <= GOAL_PUSH_TTFT)} |")
+
     colo = runs["mix"].get("colocated")
     for system in ("push", "pull"):
         pd = runs["mix"].get(system)
@@ -210,6 +224,11 @@ def paired_samples(results: list[dict[str, Any]], baseline: str | None = None
             if not ea and not eb and (ta == base_name) != (tb == base_name):
                 pairs.append(1000 * ((b - a) if ta == base_name else (a - b)))
     return base, other, pairs
+
+
+def _first_target(r: dict[str, Any] | None) -> str | None:
+    targets = (r or {}).get("targets") or [None]
+    return targets[0]
 
 
 def overhead_samples(results: list[dict[str, Any]]

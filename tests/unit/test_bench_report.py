@@ -41,3 +41,11 @@ def test_cost_takes_the_second_target_p_alone_as_baseline(tmp_path):
     assert costs["pull"]["added_ms"] == pytest.approx(50.0)
     assert costs["push"]["p_alone_ms"] == pytest.approx(915.0)
     assert "push adds 0.40 × what pull adds." in render(runs, None, None)
+
+
+def test_side_by_side_modes_ratio_is_push_over_pull(tmp_path):
+    pull, push = "http://127.0.0.1:18102", "http://127.0.0.1:18122"
+    r = _interleaved(pull, push, [1.00, 1.02, 0.90, 0.95, 1.10, 1.10])
+    (tmp_path / "modes_paired.json").write_text(json.dumps(r))
+    report = render(load_runs(str(tmp_path)), None, None)
+    assert "1020 / 1000 ms = 1.02 (push − pull, 3 pairs: +20.0 ms) | no |" in report
