@@ -18,6 +18,8 @@ from engine.client.base import EngineDeadError
 from engine.client.inproc import InprocClient
 from engine.client.mp_client import SyncMPClient, UtilityCallError
 from engine.config import EngineConfig
+from engine.core.busy_loop import EngineCoreLoop, InputKind
+from engine.core.engine_core import EngineCore
 from engine.core.messages import engine_identity
 from engine.protocol import (
     EngineCoreOutputs,
@@ -121,20 +123,48 @@ def test_greedy_round_trip_matches_in_process_core(client, config):
     assert_idle(client)
 
 
-def test_adds_arriving_during_a_step_are_coalesced_into_one_batch(client):
-    long = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    client.add_request(req("busy", [7, 7, 7], long))
-    first = client.get_output(timeout=30)  # the engine is now stepping "busy"
-    assert [o.request_id for o in first.outputs] == ["busy"]
+def test_adds_arriving_during_a_step_are_coalesced_into_one_batch(config):
+    """The busy loop drains every input queued during a step before the next step. The loop
+    runs in process with its step held until all four adds are queued: over ZeroMQ their
+    arrival would race the tiny model's millisecond steps (the transport has its own tests)."""
+    loop = EngineCoreLoop(EngineCore(config))
+    real_step, in_step, release = loop.core.step, threading.Event(), threading.Event()
+
+    def held_step():
+        if not in_step.is_set():
+            in_step.set()
+            assert release.wait(30)
+        return real_step()
+
+    loop.core.step = held_step
+    runner = threading.Thread(target=loop.run, daemon=True)
+    runner.start()
     late = {f"late{i}" for i in range(4)}
-    for rid in sorted(late):
-        client.add_request(req(rid, [2, 4, 6, 8]))
-    tokens, finals, batches = collect(client, late | {"busy"})
+    long = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    try:
+        loop.input_queue.put((InputKind.ADD, req("busy", [7, 7, 7], long)))
+        assert in_step.wait(30)  # the loop is inside the step that runs "busy"
+        for rid in sorted(late):
+            loop.input_queue.put((InputKind.ADD, req(rid, [2, 4, 6, 8])))
+        release.set()
+        batches, finished = [], set()
+        while finished != late | {"busy"}:
+            out = loop.output_queue.get(timeout=30)
+            batches.append(out)
+            finished |= {o.request_id for o in out.outputs if o.finished}
+    finally:
+        release.set()
+        loop.request_shutdown()
+        runner.join(30)
+        loop.core.shutdown()
+    assert not runner.is_alive()
+    assert [o.request_id for o in batches[0].outputs] == ["busy"]
     first_seen = [next(i for i, b in enumerate(batches)
                        if any(o.request_id == rid for o in b.outputs)) for rid in late]
-    assert len(set(first_seen)) == 1, "late adds were not scheduled in one step"
-    assert len({tuple(tokens[r]) for r in late}) == 1  # same prompt, greedy → same tokens
-    assert_idle(client)
+    assert first_seen == [1] * 4, "late adds were not scheduled in one step"
+    tokens = {r: [t for b in batches for o in b.outputs if o.request_id == r
+                  for t in o.new_token_ids] for r in late}
+    assert len({tuple(t) for t in tokens.values()}) == 1  # same prompt, greedy → same tokens
 
 
 def test_abort_stops_the_request_and_frees_its_blocks(client):
