@@ -182,7 +182,7 @@ def goals(runs: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
     rows.append(f"| transfer ≥ {GOAL_TRANSFER:.0%} of single-thread memcpy (2048 tokens) | "
                 f"{shown} | {verdict(None if ratio is None else ratio >= GOAL_TRANSFER)} |")
 
-    direct, proxied, pairs = overhead_samples(runs["overhead"])
+    direct, proxied, pairs = paired_samples(runs["overhead"])
     overhead = statistics.median(pairs) if pairs else None
     numbers["proxy_overhead_ms"] = overhead
     numbers["disaggregation_added_ms"] = {s: c["added_ms"] for s, c in cost_numbers(runs).items()}
@@ -231,12 +231,6 @@ def _first_target(r: dict[str, Any] | None) -> str | None:
     return targets[0]
 
 
-def overhead_samples(results: list[dict[str, Any]]
-                     ) -> tuple[list[float], list[float], list[float]]:
-    """Proxy overhead: (direct, through the proxy, proxy − direct pairs), in ms."""
-    return paired_samples(results)
-
-
 def cost_numbers(runs: dict[str, Any]) -> dict[str, dict[str, float]]:
     """Per P/D system: median TTFT of the same prompts on P alone and through the proxy, and
     the median paired difference: what disaggregation (transfer, D's first step, the proxy)
@@ -271,7 +265,7 @@ def cost_section(runs: dict[str, Any]) -> list[str]:
 
 
 def overhead_section(runs: dict[str, Any]) -> list[str]:
-    direct, proxied, pairs = overhead_samples(runs["overhead"])
+    direct, proxied, pairs = paired_samples(runs["overhead"])
     if not pairs:
         return ["not measured (see pd_raw/logs)"]
     p50 = statistics.median

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.bench.report import cost_numbers, load_runs, overhead_samples, render
+from engine.bench.report import cost_numbers, load_runs, paired_samples, render
 
 PROXY, P = "http://127.0.0.1:18102", "http://127.0.0.1:18100"
 
@@ -19,7 +19,7 @@ def _interleaved(first: str, second: str, ttfts: list[float], errors=None) -> di
 def test_overhead_pairs_are_proxy_minus_direct_whichever_goes_first():
     a = _interleaved("pd-direct", PROXY, [0.100, 0.103, 0.200, 0.201])
     b = _interleaved(PROXY, "pd-direct", [0.105, 0.100])
-    direct, proxied, pairs = overhead_samples([a, b])
+    direct, proxied, pairs = paired_samples([a, b])
     assert pairs == pytest.approx([3.0, 1.0, 5.0])
     assert sorted(direct) == pytest.approx([100.0, 100.0, 200.0])
     assert sorted(proxied) == pytest.approx([103.0, 105.0, 201.0])
@@ -27,7 +27,7 @@ def test_overhead_pairs_are_proxy_minus_direct_whichever_goes_first():
 
 def test_a_failed_request_drops_its_pair_only():
     r = _interleaved("pd-direct", PROXY, [0.1, 0.2, 0.3, 0.31], errors=["", "boom", "", ""])
-    _, _, pairs = overhead_samples([r])
+    _, _, pairs = paired_samples([r])
     assert pairs == pytest.approx([10.0])
 
 
