@@ -63,6 +63,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
                         help='e.g. \'{"kv_connector": "NixlPushConnector", "kv_role": …}\'')
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--kv-secret", default=None,
+                        help="shared secret of the KV path (or PDSERVE_KV_SECRET); see "
+                             "docs/security.md")
     parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get after SIGTERM")
@@ -93,6 +96,10 @@ def _kv_transfer_dict(args: argparse.Namespace,
         value = getattr(args, flag, None)
         if value is not None and merged and flag not in merged:
             merged[flag] = value
+    secret = getattr(args, "kv_secret", None)
+    if secret and merged:
+        merged["kv_connector_extra_config"] = {**merged.get("kv_connector_extra_config", {}),
+                                               "kv_secret": secret}
     return merged or None
 
 
