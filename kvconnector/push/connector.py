@@ -68,16 +68,18 @@ class PushWorker(KVConnectorWorker):
         wake = threading.Event()
         clock = time.monotonic
         t = self.transport
-        peers = Peers(self._fetch, t.add_peer, wake, clock)
+        peers = Peers(self._fetch, t.add_peer, wake, clock, remove_peer=t.remove_peer,
+                      idle_after=max(self.lease, 2 * self.hb_interval))
         stats = SenderStats()
         sender = Sender(t, peers, clock, lease=self.lease, ttl=self.ttl, tp_size=1,
-                        bytes_per_block=self.spec.bytes_per_block, stats=stats)
+                        bytes_per_block=self.spec.bytes_per_block, stats=stats,
+                        num_blocks=t.num_blocks)
         identity = {"decode_engine_id": self.engine_id, "decode_host": self.host,
                     "decode_port": self.side_channel.port, "decode_tp_size": 1}
         receiver = Receiver(t, peers, clock, identity=identity, ttl=self.ttl,
                             hb_interval=self.hb_interval, grace=self.lease / 6,
                             stats={"kv_push_registrations_sent_total": 0,
-                                   "kv_recv_failed_total": 0})
+                                   "kv_recv_failed_total": 0, "kv_peer_gone_total": 0})
         self.writer = PushWriter(t, peers, sender, receiver, wake, clock)
         self.writer.start()
         logger.info("push connector %s ready: side channel %s:%d", self.engine_id, self.host,
@@ -110,7 +112,8 @@ class PushWorker(KVConnectorWorker):
     def table_sizes(self) -> dict[str, int]:
         if self.writer is None:
             return {}
-        return {**self.writer.sender.table_sizes(), **self.writer.receiver.table_sizes()}
+        return {**self.writer.sender.table_sizes(), **self.writer.receiver.table_sizes(),
+                **self.writer.peers.table_sizes(), "nixl_agents": len(self.transport.peers())}
 
     def shutdown(self) -> None:
         if self.writer is not None:

@@ -1,9 +1,22 @@
-"""Remote engines the writer talks to, keyed by side-channel address (host, port).
+"""Remote engines the transfer thread talks to, keyed by side-channel address (host, port).
 
-Handshakes (a blocking side-channel fetch) run on a small executor; their results are
-handed back through a queue and applied on the writer thread, which alone touches the
-NIXL agent (`add_peer`). A failed handshake is remembered for `retry_after` seconds so a
-burst of requests to a dead peer fails fast instead of each waiting for a timeout.
+Handshakes (a blocking side-channel fetch) run on executors; their results are handed back
+through a queue and applied on the transfer thread, which alone touches the NIXL agent
+(`add_peer`, `remove_peer`) and this table. A failed handshake is remembered for
+`retry_after` seconds so a burst of requests to a dead peer fails fast instead of each
+waiting for a timeout.
+
+Bounded state, whatever remote input names (DESIGN invariant 7):
+- two executors: addresses that completed a handshake before (re-handshakes, liveness
+  probes) never queue behind first contacts, and each first contact gets its own thread
+  (up to `MAX_FIRST_CONTACTS` at once, more fail at once), so an address that never answers
+  cannot delay a reachable one's handshake;
+- at most `MAX_PEERS` addresses; an address idle for `idle_after` seconds that no transfer
+  still needs is dropped by `prune`, and so is its NIXL agent.
+
+Liveness probes answer "alive" (the same agent answers), "gone" (connection refused, or a
+different agent answers: the process we knew has exited) or "silent" (no answer: frozen,
+overloaded or cut off — it may still write later).
 """
 
 from __future__ import annotations
@@ -11,7 +24,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +32,10 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 Address = tuple[str, int]
+MAX_PEERS = 4096
+MAX_FIRST_CONTACTS = 256
+_KNOWN_WORKERS = 4
+ALIVE, GONE, SILENT = "alive", "gone", "silent"
 
 
 @dataclass
@@ -28,57 +45,99 @@ class PeerState:
     engine_id: str | None = None
     reason: str = ""
     failed_at: float = 0.0
+    last_used: float = 0.0
+
+
+def probe_verdict(exc: BaseException | None, meta: Any, known_agent: str | None) -> str:
+    """How a liveness probe ended: ALIVE, GONE or SILENT (see the module docstring)."""
+    if exc is None:
+        return ALIVE if known_agent is None or meta.agent_name == known_agent else GONE
+    refused = getattr(exc, "cause", "") == "unreachable" and "refused" in str(exc)
+    return GONE if refused else SILENT
 
 
 class Peers:
     def __init__(self, fetch: Callable[[str, int], Any], add_peer: Callable[[Any], str],
                  wake: threading.Event, clock: Callable[[], float],
-                 retry_after: float = 5.0) -> None:
+                 retry_after: float = 5.0, *,
+                 remove_peer: Callable[[str], None] | None = None,
+                 idle_after: float = 60.0) -> None:
         self._fetch = fetch  # (host, port) -> metadata, raises on failure (any thread)
-        self._add_peer = add_peer  # metadata -> agent name (writer thread only)
+        self._add_peer = add_peer  # metadata -> agent name (transfer thread only)
+        self._remove_peer = remove_peer  # agent name -> None (transfer thread only)
         self._wake = wake
         self._clock = clock
         self._retry_after = retry_after
+        self._idle_after = idle_after
         self._peers: dict[Address, PeerState] = {}
-        self._done: queue.SimpleQueue[tuple[Address, Any, BaseException | None]] = (
+        self._first_contacts = 0
+        self._done: queue.SimpleQueue[tuple[Address, Any, BaseException | None, bool]] = (
             queue.SimpleQueue())
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="nixl-handshake")
+        self._known_pool = ThreadPoolExecutor(max_workers=_KNOWN_WORKERS,
+                                              thread_name_prefix="nixl-handshake")
+        self._new_pool = ThreadPoolExecutor(max_workers=MAX_FIRST_CONTACTS,
+                                            thread_name_prefix="nixl-first-contact")
 
     def get(self, addr: Address) -> PeerState:
         """Current state of the peer, starting (or retrying) a handshake when needed."""
+        now = self._clock()
         state = self._peers.get(addr)
         stale = (state is not None and state.status == "failed"
-                 and self._clock() - state.failed_at >= self._retry_after)
+                 and now - state.failed_at >= self._retry_after)
+        if state is None and len(self._peers) >= MAX_PEERS:
+            return PeerState("failed", reason=f"too many KV peers (> {MAX_PEERS})",
+                             failed_at=now)
         if state is None or stale:
             # A retry keeps the agent name: NIXL still holds that agent, and a PUSH_CANCEL
             # must still reach it (see `known_agent`).
-            state = PeerState("pending", agent_name=state.agent_name if state else None)
-            self._peers[addr] = state
-            future = self._pool.submit(self._fetch, addr[0], addr[1])
-            future.add_done_callback(lambda f, a=addr: self._on_done(a, f))
+            known = state.agent_name if state else None
+            state = self._start(addr, known, now)
+        state.last_used = now
         return state
 
-    def _on_done(self, addr: Address, future: Future) -> None:
-        exc = future.exception()
-        self._done.put((addr, None if exc else future.result(), exc))
+    def _start(self, addr: Address, known: str | None, now: float) -> PeerState:
+        first = known is None
+        if first and self._first_contacts >= MAX_FIRST_CONTACTS:
+            state = PeerState("failed", reason="too many first handshakes in progress",
+                              failed_at=now, last_used=now)
+            self._peers[addr] = state
+            return state
+        state = PeerState("pending", agent_name=known, last_used=now)
+        self._peers[addr] = state
+        self._first_contacts += first
+        pool = self._new_pool if first else self._known_pool
+        future = pool.submit(self._fetch, addr[0], addr[1])
+        future.add_done_callback(lambda f, a=addr, fc=first: self._on_done(a, f, fc))
+        return state
+
+    def _on_done(self, addr: Address, future: Future, first: bool) -> None:
+        exc = None if future.cancelled() else future.exception()
+        meta = None if exc is not None or future.cancelled() else future.result()
+        self._done.put((addr, meta, exc, first))
         self._wake.set()
 
     def apply_finished(self) -> None:
-        """Writer thread: turn finished handshakes into ready or failed peers."""
+        """Transfer thread: turn finished handshakes into ready or failed peers."""
         while True:
             try:
-                addr, meta, exc = self._done.get_nowait()
+                addr, meta, exc, first = self._done.get_nowait()
             except queue.Empty:
                 return
-            state = self._peers[addr]
-            if exc is None:
+            self._first_contacts -= first
+            state = self._peers.get(addr)
+            if state is None or state.status != "pending":
+                continue  # forgotten meanwhile
+            if exc is None and meta is not None:
                 try:
+                    old = state.agent_name
                     state.agent_name = self._add_peer(meta)
                     state.engine_id = getattr(meta, "engine_id", None)
                     state.status = "ready"
+                    if old is not None and old != state.agent_name:
+                        self._drop_agent(old)  # the peer restarted: its old agent is gone
                     logger.info("handshake with %s:%d done (%s)", *addr, state.agent_name)
                     continue
-                except Exception as e:  # noqa: BLE001 - a bad peer must not kill the writer
+                except Exception as e:  # noqa: BLE001 - a bad peer must not kill the thread
                     exc = e
             state.status, state.reason, state.failed_at = "failed", str(exc), self._clock()
             logger.warning("handshake with %s:%d failed: %s", *addr, exc)
@@ -96,19 +155,72 @@ class Peers:
         state = self._peers.setdefault(addr, PeerState("failed"))
         state.status, state.reason, state.failed_at = "failed", reason, self._clock()
 
-    def probe(self, addr: Address, on_result: Callable[[Address, bool], None]) -> None:
-        """Liveness check on the executor; `on_result` runs there, so it must only enqueue."""
+    def revive(self, addr: Address) -> bool:
+        """A failed peer whose loaded agent answered a probe is ready again (True if so)."""
+        state = self._peers.get(addr)
+        if state is None or state.status != "failed" or state.agent_name is None:
+            return False
+        state.status, state.reason = "ready", ""
+        logger.info("KV peer %s:%d (%s) answers again", *addr, state.agent_name)
+        return True
+
+    def forget(self, addr: Address) -> None:
+        """The process behind this address is gone: drop the entry and its NIXL agent, so
+        the next request handshakes afresh (with whatever listens there now)."""
+        state = self._peers.pop(addr, None)
+        if state is not None and state.agent_name is not None:
+            self._drop_agent(state.agent_name)
+
+    def failed_with_agent(self) -> list[Address]:
+        """Peers marked failed whose agent is still loaded: probe them to bring them back."""
+        return [a for a, s in self._peers.items()
+                if s.status == "failed" and s.agent_name is not None]
+
+    def prune(self, in_use: Iterable[Address]) -> int:
+        """Drop peers idle for `idle_after` that no transfer needs (transfer thread)."""
+        keep, now = set(in_use), self._clock()
+        idle = [a for a, s in self._peers.items()
+                if a not in keep and s.status != "pending"
+                and now - s.last_used >= self._idle_after]
+        for addr in idle:
+            logger.info("KV peer %s:%d idle for %.0fs: dropped", *addr, self._idle_after)
+            self.forget(addr)
+        return len(idle)
+
+    def _drop_agent(self, agent: str) -> None:
+        if self._remove_peer is None:
+            return
+        if any(s.agent_name == agent for s in self._peers.values()):
+            return  # another address still maps to it
+        try:
+            self._remove_peer(agent)
+        except Exception as e:  # noqa: BLE001 - a stale agent costs memory, not correctness
+            logger.warning("removing NIXL agent %s failed: %s", agent, e)
+
+    def probe(self, addr: Address, on_result: Callable[[Address, str, str | None], None]
+              ) -> None:
+        """Liveness check on the executor: `on_result(addr, verdict, agent probed)` runs
+        there, so it must only enqueue. Verdicts: ALIVE, GONE, SILENT."""
+        known = self.known_agent(addr)
+
         def run() -> None:
             try:
-                self._fetch(addr[0], addr[1])
-                on_result(addr, True)
-            except Exception:  # noqa: BLE001 - any failure means "not answering"
-                on_result(addr, False)
+                meta, exc = self._fetch(addr[0], addr[1]), None
+            except Exception as e:  # noqa: BLE001 - any failure is a verdict
+                meta, exc = None, e
+            on_result(addr, probe_verdict(exc, meta, known), known)
             self._wake.set()
-        self._pool.submit(run)
+        self._known_pool.submit(run)
 
     def pending(self) -> bool:
         return any(s.status == "pending" for s in self._peers.values())
 
+    def table_sizes(self) -> dict[str, int]:
+        sizes = {"peers_ready": 0, "peers_pending": 0, "peers_failed": 0}
+        for s in self._peers.values():
+            sizes[f"peers_{s.status}"] += 1
+        return sizes
+
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._known_pool.shutdown(wait=False, cancel_futures=True)
+        self._new_pool.shutdown(wait=False, cancel_futures=True)

@@ -3,8 +3,16 @@
 Owned by the writer thread. A request's blocks become free-able (`done`) only once it is
 released by the scheduler AND no WRITE from P can still land in them ("safe"): the WRITE
 completed, P said PUSH_FAIL, P acknowledged our PUSH_CANCEL, the registration never left
-D, or the quarantine deadline passed (P never posts for a registration older than its
-ttl, so after `2 * ttl + grace` since sending nothing can land).
+D, the quarantine deadline passed (P never posts for a registration older than its
+ttl, so after `2 * ttl + grace` since sending nothing can land), or P's process is gone.
+
+P's liveness: every heartbeat interval D probes each P it waits for or quarantines for
+(and each P it marked failed, to take it back). Two probes without an answer declare P
+dead: its waiting requests fail over to recompute and are cancelled (a frozen P may still
+wake, so their blocks stay quarantined). A probe that proves the process gone (its side
+channel refuses connections, or a different agent answers there: P restarted) frees every
+block P could have written at once: a process that no longer exists writes nothing. A
+failed P that answers a probe again is taken back, so D resumes receiving KV at once.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from typing import Any
 
 from kvconnector import wire
 from kvconnector.push.meta import Queued, Registration
-from kvconnector.push.peers import Address, Peers
+from kvconnector.push.peers import ALIVE, GONE, Address, Peers
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +65,8 @@ class Receiver:
         self.done: set[str] = set()
         self._next_hb = 0.0
         self._probe_failures: dict[Address, int] = {}
-        self.probe_results: queue.SimpleQueue[tuple[Address, bool]] = queue.SimpleQueue()
+        self.probe_results: queue.SimpleQueue[tuple[Address, str, str | None]] = (
+            queue.SimpleQueue())
 
     # --- events from the scheduler ------------------------------------------------
     def on_queued(self, q: Queued) -> None:
@@ -112,9 +121,16 @@ class Receiver:
             self.safe.add(rid)
             self._settle(rid)
 
-    def on_probe(self, addr: Address, ok: bool) -> None:
-        if ok:
+    def on_probe(self, addr: Address, verdict: str, agent: str | None = None) -> None:
+        """A liveness probe of P at `addr` (which had `agent` loaded) ended with `verdict`."""
+        if agent is not None and agent != self.peers.known_agent(addr):
+            return  # about an agent we no longer use (P was re-handshaked meanwhile)
+        if verdict == ALIVE:
             self._probe_failures.pop(addr, None)
+            self.peers.revive(addr)
+            return
+        if verdict == GONE:
+            self._peer_gone(addr)
             return
         n = self._probe_failures.get(addr, 0) + 1
         self._probe_failures[addr] = n
@@ -124,8 +140,8 @@ class Receiver:
     # --- the poll -----------------------------------------------------------------
     def poll(self) -> None:
         now = self.clock()
-        for addr, ok in self._drain_probes():
-            self.on_probe(addr, ok)
+        for addr, verdict, agent in self._drain_probes():
+            self.on_probe(addr, verdict, agent)
         self._send_unsent(now)
         for rid, (_, deadline) in list(self.quarantine.items()):
             if now >= deadline:
@@ -144,12 +160,12 @@ class Receiver:
 
     def next_deadline(self) -> float | None:
         times = [d for _, d in self.quarantine.values()]
-        if self.queued:
-            times.append(self._next_hb)
+        if self.queued or self.quarantine or self.peers.failed_with_agent():
+            times.append(self._next_hb)  # heartbeats and liveness probes
         return min(times) if times else None
 
     # --- internals ----------------------------------------------------------------
-    def _drain_probes(self) -> list[tuple[Address, bool]]:
+    def _drain_probes(self) -> list[tuple[Address, str, str | None]]:
         out = []
         while not self.probe_results.empty():
             out.append(self.probe_results.get_nowait())
@@ -226,11 +242,13 @@ class Receiver:
             if peer.status == "ready":
                 try:
                     self.t.send_notif(peer.agent_name, wire.encode_heartbeat(ids))
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:  # noqa: BLE001 - the probe below tells what it means
                     logger.warning("heartbeat to %s:%d failed: %s", *addr, e)
-                    self.on_probe(addr, False)
-            if any(w.addr == addr for w in self.waiting.values()):
-                self.peers.probe(addr, lambda a, ok: self.probe_results.put((a, ok)))
+        watched = {w.addr for w in self.waiting.values()}
+        watched |= {a for a, _ in self.quarantine.values()}
+        watched |= set(self.peers.failed_with_agent())
+        for addr in watched:
+            self.peers.probe(addr, lambda a, v, ag: self.probe_results.put((a, v, ag)))
 
     def _peer_dead(self, addr: Address) -> None:
         self._probe_failures.pop(addr, None)
@@ -244,6 +262,37 @@ class Receiver:
                 del self.unsent[rid]
                 self._fail(rid, f"prefill engine at {addr[0]}:{addr[1]} is unreachable",
                            safe=True)
+
+    def _peer_gone(self, addr: Address) -> None:
+        """P's process at `addr` no longer exists: nothing it held can be written any more."""
+        self._probe_failures.pop(addr, None)
+        self.stats["kv_peer_gone_total"] = self.stats.get("kv_peer_gone_total", 0) + 1
+        where = f"{addr[0]}:{addr[1]}"
+        logger.warning("prefill engine at %s is gone (process exited or restarted): freeing "
+                       "its quarantined blocks", where)
+        for rid, w in list(self.waiting.items()):
+            if w.addr == addr:
+                del self.waiting[rid]
+                self._fail(rid, f"prefill engine {w.reg.remote_engine_id} at {where} is gone",
+                           safe=True)
+        for rid, reg in list(self.unsent.items()):
+            if (reg.remote_host, reg.remote_port) == addr:
+                del self.unsent[rid]
+                self._fail(rid, f"prefill engine at {where} is gone", safe=True)
+        for rid, (qaddr, _) in list(self.quarantine.items()):
+            if qaddr == addr:
+                del self.quarantine[rid]
+                self.safe.add(rid)
+                self._settle(rid)
+        self.peers.forget(addr)
+
+    def addresses_in_use(self) -> set[Address]:
+        """P addresses a request still needs (never pruned as idle)."""
+        used = {(q.remote_host, q.remote_port) for q in self.queued.values()}
+        used |= {(r.remote_host, r.remote_port) for r in self.unsent.values()}
+        used |= {w.addr for w in self.waiting.values()}
+        used |= {a for a, _ in self.quarantine.values()}
+        return used
 
     def table_sizes(self) -> dict[str, int]:
         return {"d_queued": len(self.queued), "d_unsent": len(self.unsent),

@@ -7,7 +7,10 @@ Guarantees:
   completed or failed, or at lease expiry (HB from D extends the lease);
 - no WRITE is ever posted for a registration older than `ttl` (measured on P), nor for
   one D cancelled; a cancel is acknowledged only once no WRITE for it can still land;
-- whenever P will not write a registration it knows of, it tells D (PUSH_FAIL).
+- whenever P will not write a registration it knows of, it tells D (PUSH_FAIL);
+- state created by remote input is bounded: at most `MAX_REGS_PER_AGENT` registrations per
+  sending agent and `MAX_REGS` in all, none naming more blocks than P's cache holds, and
+  at most `MAX_OUTBOX` notifications waiting for a peer (the oldest are dropped).
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ from kvconnector.push.peers import Peers
 
 logger = logging.getLogger(__name__)
 
+MAX_REGS_PER_AGENT = 4096
+MAX_REGS = 16384
+MAX_OUTBOX = 4096
+
 
 @dataclass
 class Staged:
@@ -35,6 +42,7 @@ class Staged:
 class PendingReg:
     reg: Any  # wire.PushReg
     received_at: float
+    agent: str = ""  # the NIXL agent it came from
 
     @property
     def addr(self) -> tuple[str, int]:
@@ -58,6 +66,7 @@ class SenderStats:
         "kv_push_write_failures_total": 0, "kv_transfer_bytes_total": 0,
         "kv_transfer_seconds_sum": 0.0, "kv_transfer_seconds_count": 0,
         "kv_lease_expired_total": 0, "kv_push_fail_sent_total": 0,
+        "kv_push_registrations_refused_total": 0, "kv_notifs_dropped_total": 0,
     })
 
     def add(self, name: str, value: float = 1) -> None:
@@ -67,7 +76,7 @@ class SenderStats:
 class Sender:
     def __init__(self, transport: Any, peers: Peers, clock: Callable[[], float], *,
                  lease: float, ttl: float, tp_size: int, bytes_per_block: int,
-                 stats: SenderStats) -> None:
+                 stats: SenderStats, num_blocks: int = 1 << 31) -> None:
         self.t = transport
         self.peers = peers
         self.clock = clock
@@ -75,6 +84,7 @@ class Sender:
         self.ttl = ttl
         self.tp_size = tp_size
         self.bytes_per_block = bytes_per_block
+        self.num_blocks = num_blocks  # P's cache: no registration can name more
         self.stats = stats
         self.staged: dict[str, Staged] = {}  # P request id -> blocks under lease
         self.regs: dict[str, PendingReg] = {}  # D request id -> registration
@@ -100,11 +110,20 @@ class Sender:
         else:
             self._tombstone(transfer_id, request_id)
 
-    def on_registration(self, reg: Any, received_at: float | None = None) -> None:
+    def on_registration(self, reg: Any, received_at: float | None = None,
+                        agent: str = "") -> None:
         """`received_at`: the earliest time the registration may have arrived (the writer
-        passes its previous notification drain); the ttl counts from there."""
+        passes its previous notification drain); the ttl counts from there. `agent`: the
+        NIXL agent that sent it."""
         self.stats.add("kv_push_registrations_received_total")
-        pending = PendingReg(reg, self.clock() if received_at is None else received_at)
+        pending = PendingReg(reg, self.clock() if received_at is None else received_at, agent)
+        refusal = self._over_capacity(reg, agent)
+        if refusal is not None:
+            self.stats.add("kv_push_registrations_refused_total")
+            logger.warning("registration %s from agent %s refused: %s", reg.request_id,
+                           agent or "?", refusal)
+            self._fail(pending, refusal)
+            return
         self.peers.get(pending.addr)  # start the reverse handshake early
         for key in (reg.transfer_id, wire.base_request_id(reg.request_id)):
             if key and key in self.tombstones:
@@ -164,6 +183,26 @@ class Sender:
         return bool(self.staged or self.inflight or self.outbox)
 
     # --- internals ----------------------------------------------------------------
+    def _over_capacity(self, reg: Any, agent: str) -> str | None:
+        n = sum(len(group) for group in reg.local_block_ids)
+        if n > self.num_blocks:
+            return f"registration names {n} blocks, more than this engine's {self.num_blocks}"
+        if reg.request_id in self.regs:
+            return None  # replaces its own entry
+        if len(self.regs) >= MAX_REGS:
+            return f"too many pending registrations ({MAX_REGS})"
+        mine = sum(1 for p in self.regs.values() if p.agent == agent)
+        if mine >= MAX_REGS_PER_AGENT:
+            return f"too many pending registrations from agent {agent} ({MAX_REGS_PER_AGENT})"
+        return None
+
+    def addresses_in_use(self) -> set[tuple[str, int]]:
+        """D addresses a registration, WRITE or notification still needs."""
+        used = {p.addr for p in self.regs.values()}
+        used |= {w.reg.addr for w in self.inflight.values()}
+        used |= {addr for addr, _ in self.outbox}
+        return used
+
     def _same(self, fb: FinishedBlocks, reg: Any) -> bool:
         if fb.transfer_id and reg.transfer_id:
             return fb.transfer_id == reg.transfer_id
@@ -300,6 +339,11 @@ class Sender:
     def _send(self, addr: tuple[str, int], msg: bytes) -> None:
         self.outbox.append((addr, msg))
         self._flush_outbox()
+        if len(self.outbox) > MAX_OUTBOX:
+            dropped = len(self.outbox) - MAX_OUTBOX
+            self.stats.add("kv_notifs_dropped_total", dropped)
+            logger.warning("outbox full: dropped the %d oldest notifications", dropped)
+            self.outbox = self.outbox[dropped:]
 
     def _flush_outbox(self) -> None:
         keep = []

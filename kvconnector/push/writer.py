@@ -24,6 +24,8 @@ from kvconnector.wake_thread import WakeThread
 
 logger = logging.getLogger(__name__)
 
+_PRUNE_EVERY_S = 1.0
+
 
 class PushWriter(WakeThread):
     def __init__(self, transport: Any, peers: Peers, sender: Sender, receiver: Receiver,
@@ -32,6 +34,7 @@ class PushWriter(WakeThread):
         self.sender = sender
         self.receiver = receiver
         self._last_listen = clock()  # when this side last drained its notifications
+        self._next_prune = clock() + _PRUNE_EVERY_S
 
     def step(self) -> None:
         """One pass: handshakes, scheduler work, inbound notifs, polls, results out."""
@@ -50,7 +53,15 @@ class PushWriter(WakeThread):
                 logger.exception("notification from %s dropped: %r", agent, raw[:64])
         self.sender.poll()
         self.receiver.poll()
+        self._prune_idle_peers()
         self._publish()
+
+    def _prune_idle_peers(self) -> None:
+        now = self.clock()
+        if now < self._next_prune:
+            return
+        self._next_prune = now + _PRUNE_EVERY_S
+        self.peers.prune(self.sender.addresses_in_use() | self.receiver.addresses_in_use())
 
     def _drain_inbox(self) -> None:
         while True:
@@ -79,7 +90,7 @@ class PushWriter(WakeThread):
             logger.warning("malformed notification dropped (%s): %r", e, raw[:64])
             return
         if isinstance(msg, wire.PushReg):
-            self.sender.on_registration(msg, received_at=seen_after)
+            self.sender.on_registration(msg, received_at=seen_after, agent=agent)
         elif isinstance(msg, wire.Heartbeat):
             self.sender.on_heartbeat(list(msg.transfer_ids))
         elif isinstance(msg, wire.PushCancel):

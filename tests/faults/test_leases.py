@@ -10,11 +10,9 @@ from fault_kit import (
     cluster,
     legs,
     metric,
-    plain,
     post,
     post_sync,
     prompts,
-    stream_sse,
     table,
     text_of,
 )
@@ -22,14 +20,18 @@ from fault_kit import wait_for as wait
 from pd_harness import assert_no_leaks, engine_stats
 
 LEASE = 2.0
+D_BLOCKS = 64
+HOG_TOKENS = (D_BLOCKS - 4) * 16  # a prompt that leaves D 4 free blocks
 EXPIRED = "pdserve:kv_lease_expired_total"
 
 
 @pytest.fixture(scope="module")
 def dep(tiny_model: str):
-    # D runs one sequence at a time, so a D leg can queue for longer than P's lease.
-    with cluster(tiny_model, extra={"kv_lease_duration": LEASE, "push_registration_timeout": 20},
-                 d_args=[("--max-num-seqs", "1")], with_proxy=False, name="leases") as d:
+    # D's cache is small (P's is not), so a D leg that waits for its KV can hold nearly all
+    # of D's blocks and make the next D leg queue for as long as a test wants.
+    with cluster(tiny_model, num_blocks=D_BLOCKS, p_args=("--num-kv-blocks", "256"),
+                 extra={"kv_lease_duration": LEASE, "push_registration_timeout": 20},
+                 with_proxy=False, name="leases") as d:
         yield d
 
 
@@ -49,34 +51,37 @@ def test_blocks_of_a_transfer_d_never_claims_are_freed_at_lease_expiry(dep):
 
 def test_heartbeats_keep_blocks_while_d_queues_longer_than_the_lease(dep, reference):
     prompt = prompts(1, seed=2, lo=90, hi=90)[0]
+    # The hog is a D leg whose KV arrives only when the test sends its P leg; meanwhile it
+    # holds all but 4 of D's blocks, so the D leg under test (6 blocks) cannot be admitted
+    # and queues until the test lets the hog finish: no bet on how fast the CPU decodes.
+    hog = prompts(1, seed=3, lo=HOG_TOKENS, hi=HOG_TOKENS)[0]
     p_leg, d_leg = legs(dep, prompt, "tid-queued")
+    hog_p_leg, hog_d_leg = legs(dep, hog, "tid-hog")
     expired = metric(dep.p, EXPIRED)
     writes = metric(dep.p, "pdserve:kv_push_writes_total")
     remote = metric(dep.d, "pdserve:kv_remote_prefill_tokens_total")
-    # Three long requests ahead of the D leg (one runs, two wait); the client drops them
-    # once the D leg has queued for 3 leases, so the delay does not depend on CPU speed
-    # (a fast machine may finish the first one within that time: the others still queue).
-    blocker = {**plain(prompts(1, seed=3)[0], 900), "ignore_eos": True}
 
-    async def run() -> tuple[str, float]:
-        blockers = [asyncio.create_task(stream_sse(dep.d.url, blocker, f"blocker-{i}",
-                                                   timeout=120)) for i in range(3)]
-        await asyncio.to_thread(wait, lambda: engine_stats(dep.d)["num_unfinished_requests"]
-                                == 3, 20, "the blockers to occupy D")
-        d_task = asyncio.create_task(post(dep.d.url, d_leg, "queued"))  # queues behind
+    async def run() -> tuple[str, str, float]:
+        hog_task = asyncio.create_task(post(dep.d.url, hog_d_leg, "hog"))
+        await asyncio.to_thread(wait, lambda: table(dep.d, "d_waiting") == 1, 20,
+                                "the hog to hold D's blocks")
+        d_task = asyncio.create_task(post(dep.d.url, d_leg, "queued"))
+        await asyncio.to_thread(wait, lambda: table(dep.d, "d_queued") == 1, 20,
+                                "the D leg to queue behind the hog")
         assert (await post(dep.p.url, p_leg, "queued")).status_code == 200
         p_done = time.monotonic()
-        await asyncio.sleep(3 * LEASE)
-        assert not d_task.done()  # still queued behind the blockers after 3 leases
-        for b in blockers:
-            b.cancel()
-        out = await d_task
-        return text_of(out), time.monotonic() - p_done
+        await asyncio.sleep(3 * LEASE)  # the time under test: three leases pass
+        assert not d_task.done() and table(dep.d, "d_queued") == 1  # still queued
+        assert (await post(dep.p.url, hog_p_leg, "hog")).status_code == 200  # let it go
+        out, hog_out = await d_task, await hog_task
+        return text_of(out), text_of(hog_out), time.monotonic() - p_done
 
-    text, waited = asyncio.run(run())
+    text, hog_text, waited = asyncio.run(run())
     assert waited > 3 * LEASE
     assert text == reference([prompt])[0]
+    assert hog_text == reference([hog])[0]
     assert metric(dep.p, EXPIRED) == expired  # the heartbeats kept P's blocks ...
-    assert metric(dep.p, "pdserve:kv_push_writes_total") == writes + 1  # ... for the WRITE
-    assert metric(dep.d, "pdserve:kv_remote_prefill_tokens_total") - remote == len(prompt) - 1
+    assert metric(dep.p, "pdserve:kv_push_writes_total") == writes + 2  # ... for the WRITE
+    assert (metric(dep.d, "pdserve:kv_remote_prefill_tokens_total") - remote
+            == len(prompt) - 1 + len(hog) - 1)
     assert_no_leaks(dep.engines)

@@ -3,16 +3,21 @@
 Each test pins one rule the process-level fault tests rely on:
 - P dates a registration by its previous drain, so a P that was frozen refuses it;
 - D still sends PUSH_CANCEL to a P it declared dead (a frozen P gets it after the REG);
-- P acknowledges a cancel for a registration it holds no more to the agent it came from.
+- P acknowledges a cancel for a registration it holds no more to the agent it came from;
+- D frees blocks quarantined for a P whose process is gone at once, and takes a P that
+  answers again back;
+- P refuses registrations beyond its caps with PUSH_FAIL.
 """
 
 from __future__ import annotations
 
 import threading
 
+import msgspec
+
 from kvconnector import wire
 from kvconnector.push.meta import FinishedBlocks, PushMeta, Registration
-from kvconnector.push.peers import PeerState
+from kvconnector.push.peers import ALIVE, GONE, SILENT, PeerState
 from kvconnector.push.receiver import Receiver
 from kvconnector.push.sender import Sender, SenderStats
 from kvconnector.push.writer import PushWriter
@@ -76,6 +81,20 @@ class FakePeers:
     def probe(self, addr, on_result) -> None:
         pass
 
+    def revive(self, addr) -> bool:
+        revived = self.state.status == "failed"
+        self.state.status = "ready"
+        return revived
+
+    def forget(self, addr) -> None:
+        self.state = PeerState("pending")
+
+    def failed_with_agent(self) -> list:
+        return []
+
+    def prune(self, in_use) -> int:
+        return 0
+
     def pending(self) -> bool:
         return False
 
@@ -136,12 +155,74 @@ def test_d_cancels_at_a_peer_it_declared_dead():
     r.on_registration(Registration("d-1", "t-1", [7, 8], 0, 20, "P0", "127.0.0.1", 7001, 1))
     r.poll()
     assert t.kinds() == ["PUSH_REG"]
-    r.on_probe(("127.0.0.1", 7001), False)
-    r.on_probe(("127.0.0.1", 7001), False)  # dead: fail over now ...
+    r.on_probe(("127.0.0.1", 7001), SILENT)
+    r.on_probe(("127.0.0.1", 7001), SILENT)  # dead: fail over now ...
     assert "unreachable" in r.failed_recving["d-1"]
     assert peers.state.status == "failed"
     assert t.kinds() == ["PUSH_REG", "PUSH_CANCEL"]  # ... and still tell it
     assert "d-1" in r.quarantine
+
+
+def _d_receiver(clock: Clock, t: FakeTransport, peers: FakePeers) -> Receiver:
+    return Receiver(t, peers, clock, identity={"decode_engine_id": "D0",
+                                               "decode_host": D_ADDR[0],
+                                               "decode_port": D_ADDR[1], "decode_tp_size": 1},
+                    ttl=TTL, hb_interval=1.0, grace=1.0,
+                    stats={"kv_push_registrations_sent_total": 0, "kv_recv_failed_total": 0})
+
+
+def test_d_frees_quarantined_blocks_at_once_when_p_is_gone():
+    clock, t, peers = Clock(), FakeTransport(), FakePeers("P0-tp0")
+    r = _d_receiver(clock, t, peers)
+    p_addr = ("127.0.0.1", 7001)
+    for i in range(3):
+        r.on_registration(Registration(f"d-{i}", f"t-{i}", [i], 0, 10, "P0", *p_addr, 1))
+    r.poll()
+    r.on_probe(p_addr, SILENT)
+    r.on_probe(p_addr, SILENT)  # declared dead: cancelled, blocks quarantined
+    r.on_released("d-0")
+    r.on_released("d-1")
+    assert set(r.quarantine) == {"d-0", "d-1", "d-2"} and not r.done
+    r.on_probe(p_addr, GONE, "P0-tp0")  # the side channel refuses: the process is gone
+    assert r.done == {"d-0", "d-1"} and not r.quarantine
+    assert peers.state.status == "pending"  # forgotten: the next request handshakes anew
+    r.on_released("d-2")
+    assert r.done == {"d-0", "d-1", "d-2"}
+
+
+def test_d_ignores_a_verdict_about_an_agent_it_no_longer_uses():
+    clock, t, peers = Clock(), FakeTransport(), FakePeers("P0-tp0")
+    r = _d_receiver(clock, t, peers)
+    r.on_registration(Registration("d-0", "t-0", [1], 0, 10, "P0", "127.0.0.1", 7001, 1))
+    r.poll()
+    r.on_probe(("127.0.0.1", 7001), GONE, "P0-old-agent")
+    assert "d-0" in r.waiting and peers.state.status == "ready"
+
+
+def test_d_takes_back_a_failed_p_that_answers_again():
+    clock, t, peers = Clock(), FakeTransport(), FakePeers("P0-tp0")
+    r = _d_receiver(clock, t, peers)
+    peers.mark_failed(("127.0.0.1", 7001), "not answering")
+    r.on_probe(("127.0.0.1", 7001), ALIVE, "P0-tp0")
+    assert peers.state.status == "ready"
+
+
+def test_p_refuses_registrations_beyond_its_caps(monkeypatch):
+    import kvconnector.push.sender as sender_mod
+
+    monkeypatch.setattr(sender_mod, "MAX_REGS_PER_AGENT", 3)
+    clock = Clock()
+    t, peers = FakeTransport(), FakePeers(D_AGENT)
+    sender = Sender(t, peers, clock, lease=LEASE, ttl=TTL, tp_size=1, bytes_per_block=64,
+                    stats=SenderStats(), num_blocks=16)
+    for i in range(5):
+        sender.on_registration(wire.decode_notif(_reg(f"d-{i}", f"t-{i}")), agent="rogue")
+    huge = wire.PushReg(**{**msgspec.structs.asdict(wire.decode_notif(_reg("d-x", "t-x"))),
+                           "local_block_ids": [list(range(17))]})
+    sender.on_registration(huge, agent=D_AGENT)
+    assert sorted(sender.regs) == ["d-0", "d-1", "d-2"]
+    assert sender.stats.counters["kv_push_registrations_refused_total"] == 3
+    assert t.kinds().count("PUSH_FAIL") == 3
 
 
 def test_p_acks_a_cancel_for_a_registration_it_never_got_to_a_known_agent_only():

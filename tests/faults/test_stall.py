@@ -113,6 +113,9 @@ def test_thawed_prefill_never_writes_into_blocks_d_reused(dep, reference, d_inde
     remote = metric(d, "pdserve:kv_remote_prefill_tokens_total")
     wait_for(lambda: post_sync(dep.p.url, plain(again, 1), "ping").status_code == 200, 30,
              "P to answer again")
+    # D declared the frozen P dead; it takes P back once P's side channel answers a probe
+    # (or drops it once idle, and handshakes afresh on the next request).
+    wait_for(lambda: table(d, "peers_failed") == 0, 4 * TTL, "D to stop holding P as failed")
     assert _pair(dep, d, again, f"tid-after-thaw-{d_index}") == reference([again])[0]
     assert metric(d, "pdserve:kv_remote_prefill_tokens_total") > remote
     assert_no_leaks(dep.engines, timeout=4 * TTL)
