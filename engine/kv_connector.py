@@ -12,7 +12,7 @@ The engine knows connectors only by name (`kv_transfer_config.kv_connector`); th
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,14 +116,26 @@ def register_connector(name: str, target: str) -> None:
     _REGISTRY[name] = target
 
 
-def kv_params_validator(config: EngineConfig) -> Callable[[dict[str, Any]], None] | None:
-    """The configured connector's check of a request's kv_transfer_params (ValueError
-    naming the field), run in the frontend so a bad D leg is a 400, not an engine error."""
+KVParamsValidator = Callable[[dict[str, Any], Sequence[int]], None]
+
+
+def kv_params_validator(config: EngineConfig) -> KVParamsValidator | None:
+    """The configured connector's check of a request's kv_transfer_params against its prompt
+    token ids (ValueError naming the field), run in the frontend so a bad D leg is a 400, not
+    an engine error. A connector module offers `request_params_validator(config)` (a check
+    bound to this engine's config, e.g. its KV secret) or a plain
+    `validate_request_params(params)`."""
     kv = config.kv_transfer_config
     if kv is None or kv.kv_connector not in _REGISTRY:
         return None
     module = importlib.import_module(_REGISTRY[kv.kv_connector].split(":")[0])
-    return getattr(module, "validate_request_params", None)
+    make = getattr(module, "request_params_validator", None)
+    if make is not None:
+        return make(config)
+    check = getattr(module, "validate_request_params", None)
+    if check is None:
+        return None
+    return lambda params, prompt_token_ids: check(params)
 
 
 def make_connector(config: EngineConfig, spec: KVCacheSpec

@@ -40,7 +40,7 @@ class InputProcessor:
         eos_token_id: int | None,
         vocab_size: int,
         generation_defaults: dict[str, Any] | None = None,
-        kv_params_validator: Callable[[dict[str, Any]], None] | None = None,
+        kv_params_validator: Callable[[dict[str, Any], list[int]], None] | None = None,
     ) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
@@ -138,10 +138,10 @@ class InputProcessor:
             raise ValueError("request_id must be a non-empty string")
         if params is None:
             params = self.default_sampling_params()
-        if kv_transfer_params is not None and self.kv_params_validator is not None:
-            self.kv_params_validator(kv_transfer_params)
         ids, text = self.tokenize(prompt)
         self._validate_ids(ids)
+        if kv_transfer_params is not None and self.kv_params_validator is not None:
+            self.kv_params_validator(kv_transfer_params, ids)  # e.g. bound to this prompt
         params = self._resolve_params(params, len(ids))
         request = EngineCoreRequest(
             request_id=make_internal_request_id(request_id),

@@ -46,9 +46,14 @@ CLIENT_CLOSED = 499
 
 def _per_prompt_kv(kv: Any, index: int, num_prompts: int) -> Any:
     """Each prompt of a list is its own transfer: P and D derive the same transfer_id for
-    prompt i, so a registration can never be paired with another prompt's blocks."""
-    if num_prompts == 1 or not isinstance(kv, dict) or not isinstance(
-            kv.get("transfer_id"), str):
+    prompt i, so a registration can never be paired with another prompt's blocks. A D leg that
+    names P's blocks (pull) is P's answer for the first prompt; the others compute their own
+    prompt (with a KV secret, D refuses params signed for another prompt with a 400)."""
+    if num_prompts == 1 or not isinstance(kv, dict):
+        return kv
+    if kv.get("do_remote_prefill") and "remote_block_ids" in kv:
+        return kv if index == 0 else None
+    if not isinstance(kv.get("transfer_id"), str):
         return kv
     return {**kv, "transfer_id": f"{kv['transfer_id']}#{index}"}
 
@@ -113,14 +118,14 @@ def _response(
     want_lp = body.logprobs is not None
     choices: list[CompletionChoice] = []
     prompt_tokens = completion_tokens = 0
-    kv_params = None
+    # A batch answers with its first prompt's params (a D leg gives them to its first prompt).
+    kv_params = finals[0].kv_transfer_params if finals and finals[0] is not None else None
     for pi, final in enumerate(finals):
         if final is None:
             raise APIError(f"request {rid} ended without output", 500)
         if final.error:
             raise _request_failed(final)
         prompt_tokens += len(final.prompt_token_ids)
-        kv_params = kv_params or final.kv_transfer_params
         prefix = _prompt_text(ctx, final) if body.echo else ""
         for comp in final.outputs:
             completion_tokens += len(comp.token_ids)

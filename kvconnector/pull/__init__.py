@@ -11,6 +11,8 @@ lease expires (`kv_lease_duration`, extended by D's `HB:<P request ids>`).
 Modules:
 - scheduler.py  PullScheduler — scheduler half, both roles (engine-core thread).
 - params.py     P's answer and the D-leg check (`validate_request_params`, HTTP 400).
+- signing.py    with a KV secret: P signs its answer, D admits only signed params for its
+                prompt within P's lease (docs/security.md).
 - meta.py       PullMeta (scheduler → worker each step), prompt digest.
 - endpoint.py   engine id and side-channel address shared by the two halves.
 - connector.py  PullWorker — worker half: NIXL transport, side channel, thread.

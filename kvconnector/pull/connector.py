@@ -19,7 +19,7 @@ from kvconnector.nixl import NixlTransport
 from kvconnector.pull.endpoint import endpoint_for, forget
 from kvconnector.pull.lender import Lender
 from kvconnector.pull.meta import PullMeta
-from kvconnector.pull.params import validate_request_params
+from kvconnector.pull.params import request_params_validator, validate_request_params
 from kvconnector.pull.reader import Reader
 from kvconnector.pull.scheduler import PullScheduler
 from kvconnector.pull.thread import PullThread
@@ -27,7 +27,7 @@ from kvconnector.push.peers import Peers
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PullScheduler", "PullWorker", "validate_request_params"]
+__all__ = ["PullScheduler", "PullWorker", "request_params_validator", "validate_request_params"]
 
 TRANSFER_MODE = "pull"
 _HANDSHAKE_TIMEOUT_S = 3.0

@@ -3,20 +3,14 @@ prompt digest both sides compute."""
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
-import numpy as np
+# P puts the digest of the prompt it prefilled in its kv_transfer_params; D reads P's blocks
+# only for a prompt with the same digest, so params that reach the wrong prompt (a prompt
+# list, a client replaying them) never load someone else's KV. One digest for the KV path.
+from kvconnector.security import prompt_digest as prompt_digest
 
 Address = tuple[str, int]
-
-
-def prompt_digest(token_ids: list[int]) -> str:
-    """Short hash of a prompt's token ids. P puts it in its kv_transfer_params; D reads P's
-    blocks only for a prompt with the same digest, so params that reach the wrong prompt
-    (a prompt list, a client replaying them) never load someone else's KV."""
-    data = np.asarray(token_ids, dtype=np.int64).tobytes()
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 @dataclass(frozen=True)

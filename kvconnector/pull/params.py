@@ -7,16 +7,23 @@ P's answer, forwarded verbatim by the proxy to D:
   remote_block_ids (P's prompt blocks in prompt order), num_prompt_tokens,
   prompt_digest (see meta.prompt_digest), lease_expires_at (P's wall clock, seconds since
   the epoch: D does not start reading params that arrive after it), transfer_id (when the P
-  leg carried one).
+  leg carried one), and with a KV secret configured `signature` (see signing.py: D then
+  admits a D leg only with P's valid signature, for its own prompt, before the lease ends).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvconnector import wire
 from kvconnector.params import validate_kv_transfer_params
+from kvconnector.pull import signing
 from kvconnector.pull.endpoint import Endpoint
+from kvconnector.security import KVSecurity
+
+RequestParamsValidator = Callable[[dict[str, Any], Sequence[int]], None]
 
 
 def carriable_request_id(request_id: Any) -> bool:
@@ -54,6 +61,21 @@ def validate_request_params(params: Any) -> None:
         raise ValueError("kv_transfer_params.num_prompt_tokens must be at least 1")
     if not params["remote_host"]:
         raise ValueError("kv_transfer_params.remote_host must not be empty")
+
+
+def request_params_validator(config: Any, wall_clock: Callable[[], float] = time.time
+                             ) -> RequestParamsValidator:
+    """The frontend's admission check for this engine (`engine.kv_connector` calls it once):
+    field types, and with a KV secret P's signature over the params, for this prompt, within
+    P's lease. ValueError naming the field → HTTP 400 before the request reaches the core."""
+    security = KVSecurity.from_config(config.kv_transfer_config, warn=False)
+
+    def validate(params: dict[str, Any], prompt_token_ids: Sequence[int]) -> None:
+        validate_request_params(params)
+        if isinstance(params, dict) and params.get("do_remote_prefill"):
+            signing.check(security, params, prompt_token_ids, wall_clock())
+
+    return validate
 
 
 def prefill_answer(endpoint: Endpoint, request_id: str, block_ids: list[int],

@@ -7,10 +7,12 @@ kv_transfer_params D needs (`params.prefill_answer`).
 
 D side: a request with `do_remote_prefill` is checked against its own prompt when it
 arrives (token count, block count, prompt digest, one reader per P request); if the
-params do not fit, it prefills locally and never touches P's blocks. Otherwise D claims
-P's blocks (the worker heartbeats P while the request queues), asks for every prompt
-token it does not hold locally (async), and stages one READ of the missing blocks
-(`first_block_index` = local hit / block size). A request that finishes while its READ is
+params do not fit, it prefills locally and never touches P's blocks. With a KV secret the
+frontend has already refused (HTTP 400) params P did not sign for this prompt; the check is
+repeated here so nothing that reaches the core by another path reads unsigned blocks.
+Otherwise D claims P's blocks (the worker heartbeats P while the request queues), asks for
+every prompt token it does not hold locally (async), and stages one READ of the missing
+blocks (`first_block_index` = local hit / block size). A request that finishes while its READ is
 staged or in flight keeps its blocks until the worker reports the READ over.
 
 Invariants: each claim ends in exactly one of finished_recving, failed_recving (the
@@ -28,6 +30,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.kv_connector import KVCacheSpec, KVConnectorOutput, KVConnectorScheduler
+from kvconnector.pull import signing
 from kvconnector.pull.endpoint import endpoint_for
 from kvconnector.pull.meta import Claim, Lease, PullMeta, Read, prompt_digest
 from kvconnector.pull.params import (
@@ -35,11 +38,12 @@ from kvconnector.pull.params import (
     prefill_answer,
     validate_request_params,
 )
+from kvconnector.security import KVSecurity
 
 logger = logging.getLogger(__name__)
 
 _FINISHED_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
-_LEASE_MARGIN_S = 0.5  # room for clock skew and for the first heartbeat to reach P
+_LEASE_MARGIN_S = signing.LEASE_MARGIN_S  # clock skew, and the first heartbeat reaching P
 
 
 def cdiv(a: int, b: int) -> int:
@@ -56,6 +60,7 @@ class PullScheduler(KVConnectorScheduler):
         self.clock = clock
         self.wall_clock = wall_clock  # lease_expires_at crosses hosts: wall time
         self.endpoint = endpoint_for(config)
+        self.security = KVSecurity.from_config(kv, warn=False)
         self.lease = float(kv.extra("kv_lease_duration", 30.0))
         self.load_failure_policy = kv.extra("kv_load_failure_policy", "recompute")
         if self.load_failure_policy not in ("recompute", "fail"):
@@ -90,6 +95,10 @@ class PullScheduler(KVConnectorScheduler):
         """Why these params must not load this request's KV, or None when they fit."""
         try:
             validate_request_params(p)
+        except ValueError as e:
+            return str(e)
+        try:
+            signing.check(self.security, p, request.prompt_token_ids, self.wall_clock())
         except ValueError as e:
             return str(e)
         n = request.num_prompt_tokens
@@ -177,9 +186,10 @@ class PullScheduler(KVConnectorScheduler):
         blocks = list(block_ids[:n])
         self._meta.leases.append(Lease(rid, blocks))
         self._held.add(rid)
-        return True, prefill_answer(self.endpoint, rid, blocks, request.num_prompt_tokens,
-                                    prompt_digest(request.prompt_token_ids),
-                                    self.wall_clock() + self.lease, params.get("transfer_id"))
+        answer = prefill_answer(self.endpoint, rid, blocks, request.num_prompt_tokens,
+                                prompt_digest(request.prompt_token_ids),
+                                self.wall_clock() + self.lease, params.get("transfer_id"))
+        return True, signing.signed(self.security, answer)
 
     def _abandon(self, rid: str) -> None:
         self._end_claim(rid)
