@@ -276,7 +276,12 @@ def build_app(config: ProxyConfig) -> FastAPI:
         return state.health_report()
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if not config.public_metrics:
+            try:
+                state.authorize(request, _request_id(request))
+            except ProxyError as err:
+                return err.response()
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.exception_handler(StarletteHTTPException)

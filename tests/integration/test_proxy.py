@@ -258,7 +258,9 @@ class Proxy:
                    for b in pool.backends if b.url == url)
 
     def metrics(self) -> str:
-        return self.client.get(self.url + "/metrics", timeout=5).text
+        key = self.state.config.api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return self.client.get(self.url + "/metrics", headers=headers, timeout=5).text
 
 
 class Cluster:
@@ -687,6 +689,24 @@ def test_api_key_is_required_and_passed_to_backends(cluster: Cluster) -> None:
     assert p.legs[0].headers["authorization"] == d.legs[0].headers["authorization"] \
         == "Bearer sekret"
     assert '{route="/v1/completions",status="401"} 2.0' in proxy.metrics()
+
+
+@pytest.mark.parametrize("public_metrics", [False, True])
+def test_api_key_guards_every_route_but_health(cluster: Cluster, public_metrics: bool) -> None:
+    p, d = cluster.fake("p"), cluster.fake("d")
+    proxy = cluster.proxy([p], [d], api_key="sekret", public_metrics=public_metrics)
+    routes = [("POST", "/v1/completions", BODY), ("POST", "/v1/chat/completions", CHAT_BODY),
+              ("GET", "/v1/models", None), ("GET", "/metrics", None)]
+    key = {"Authorization": "Bearer sekret"}
+    for method, path, body in routes:
+        open_route = path == "/metrics" and public_metrics
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = proxy.client.request(method, proxy.url + path, json=body, headers=headers,
+                                     timeout=5)
+            assert r.status_code == (200 if open_route else 401), (path, headers, r.text)
+        r = proxy.client.request(method, proxy.url + path, json=body, headers=key, timeout=5)
+        assert r.status_code == 200, (path, r.text)
+    assert proxy.client.get(proxy.url + "/health", timeout=5).status_code == 200
 
 
 def test_bad_bodies_are_4xx_and_send_no_leg(cluster: Cluster) -> None:
