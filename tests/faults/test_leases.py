@@ -47,9 +47,13 @@ def test_blocks_of_a_transfer_d_never_claims_are_freed_at_lease_expiry(dep):
     assert_no_leaks(dep.engines)
 
 
-def test_heartbeats_keep_blocks_while_d_queues_longer_than_the_lease(dep, reference):
-    prompt = prompts(1, seed=2, lo=90, hi=90)[0]
-    p_leg, d_leg = legs(dep, prompt, "tid-queued")
+@pytest.mark.parametrize("tid", ["tid-queued", None], ids=["transfer_id", "no_id"])
+def test_heartbeats_keep_blocks_while_d_queues_longer_than_the_lease(dep, reference, tid):
+    """Without a transfer_id (vLLM's push protocol) D names the transfer by its base
+    request id in the heartbeat."""
+    prompt = prompts(1, seed=2 if tid else 4, lo=90, hi=90)[0]
+    p_leg, d_leg = legs(dep, prompt, tid)
+    rid = "queued" if tid else "queued-no-id"
     expired = metric(dep.p, EXPIRED)
     writes = metric(dep.p, "pdserve:kv_push_writes_total")
     remote = metric(dep.d, "pdserve:kv_remote_prefill_tokens_total")
@@ -63,8 +67,8 @@ def test_heartbeats_keep_blocks_while_d_queues_longer_than_the_lease(dep, refere
                                                    timeout=120)) for i in range(3)]
         await asyncio.to_thread(wait, lambda: engine_stats(dep.d)["num_unfinished_requests"]
                                 == 3, 20, "the blockers to occupy D")
-        d_task = asyncio.create_task(post(dep.d.url, d_leg, "queued"))  # queues behind
-        assert (await post(dep.p.url, p_leg, "queued")).status_code == 200
+        d_task = asyncio.create_task(post(dep.d.url, d_leg, rid))  # queues behind
+        assert (await post(dep.p.url, p_leg, rid)).status_code == 200
         p_done = time.monotonic()
         await asyncio.sleep(3 * LEASE)
         assert not d_task.done()  # still queued behind the blockers after 3 leases
