@@ -1,51 +1,58 @@
 """Validation of the `kv_transfer_params` a request carries, before it reaches the engine.
 
-A D leg whose params lack a required field or carry one of the wrong type is a client
-error (HTTP 400 naming the field), never an engine crash.
+A leg whose params lack a required field, carry one of the wrong type, or carry a value the
+KV wire could not encode later is a client error (HTTP 400 naming the field, e.g.
+``kv_transfer_params.transfer_id``), never an engine error: every field that ends up in a
+notification is checked here against the very types (and so limits) of `kvconnector.wire`,
+so nothing admitted can fail to encode on the writer thread and vanish.
+
+`transfer_id` is optional in push mode, as in vLLM's push protocol: without it P and D match a
+request by its id (exact, then without the engine suffix) and the prompt digest.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# field -> accepted types, for a D leg (do_remote_prefill) of each mode.
-_PUSH_D = {
-    "remote_engine_id": (str,),
-    "remote_host": (str,),
-    "remote_port": (int,),
-    "tp_size": (int,),
-    "transfer_id": (str,),
+import msgspec
+
+from kvconnector import wire
+
+# field -> wire type, for a D leg (do_remote_prefill) of each mode.
+_PUSH_D_REQUIRED = {
+    "remote_engine_id": wire.EngineId,
+    "remote_host": wire.Host,
+    "remote_port": wire.Port,
+    "tp_size": wire.TpSize,
 }
-_PULL_D = {
-    "remote_engine_id": (str,),
-    "remote_host": (str,),
-    "remote_port": (int,),
-    "tp_size": (int,),
-    "remote_block_ids": (list,),
-    "num_prompt_tokens": (int,),
+_PUSH_D_OPTIONAL = {"transfer_id": wire.GivenTransferId}
+_PULL_D_REQUIRED = {
+    "remote_engine_id": wire.EngineId,
+    "remote_host": wire.Host,
+    "remote_port": wire.Port,
+    "tp_size": wire.TpSize,
+    "remote_block_ids": list[wire.BlockId],
+    "num_prompt_tokens": int,
 }
-_P_LEG_OPTIONAL = {"transfer_id": (str,)}
+_P_LEG_OPTIONAL = {"transfer_id": wire.GivenTransferId}
 
 
-def _check_fields(params: dict[str, Any], spec: dict[str, tuple[type, ...]],
-                  required: bool) -> None:
-    for name, types in spec.items():
+def _check_field(name: str, value: Any, typ: Any) -> None:
+    try:
+        msgspec.convert(value, type=typ, strict=True)
+    except msgspec.ValidationError as e:
+        # msgspec names the place as `$` (or `$[i]` inside a list)
+        detail = str(e).replace(" - at `$`", "").replace("`$[", f"`{name}[")
+        raise ValueError(f"kv_transfer_params.{name}: {detail}") from None
+
+
+def _check_fields(params: dict[str, Any], spec: dict[str, Any], required: bool) -> None:
+    for name, typ in spec.items():
         if name not in params:
             if required:
                 raise ValueError(f"kv_transfer_params.{name} is required")
             continue
-        value = params[name]
-        if isinstance(value, bool) or not isinstance(value, types):
-            expected = " or ".join(t.__name__ for t in types)
-            raise ValueError(
-                f"kv_transfer_params.{name} must be {expected}, got {type(value).__name__}"
-            )
-    port = params.get("remote_port")
-    if isinstance(port, int) and not 0 < port < 65536:
-        raise ValueError(f"kv_transfer_params.remote_port out of range: {port}")
-    tp = params.get("tp_size")
-    if isinstance(tp, int) and tp < 1:
-        raise ValueError(f"kv_transfer_params.tp_size must be at least 1, got {tp}")
+        _check_field(name, params[name], typ)
 
 
 def validate_kv_transfer_params(params: Any, mode: str) -> None:
@@ -61,10 +68,16 @@ def validate_kv_transfer_params(params: Any, mode: str) -> None:
         raise ValueError("kv_transfer_params: do_remote_prefill and do_remote_decode exclude "
                          "each other")
     if params.get("do_remote_prefill"):
-        _check_fields(params, _PUSH_D if mode == "push" else _PULL_D, required=True)
-        if mode == "pull":
-            ids = params["remote_block_ids"]
-            if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids):
-                raise ValueError("kv_transfer_params.remote_block_ids must be non-negative ints")
+        if mode == "push":
+            _check_fields(params, _PUSH_D_REQUIRED, required=True)
+            _check_fields(params, _PUSH_D_OPTIONAL, required=False)
+        else:
+            _check_fields(params, _PULL_D_REQUIRED, required=True)
     elif params.get("do_remote_decode"):
         _check_fields(params, _P_LEG_OPTIONAL, required=False)
+
+
+def transfer_id_of(params: dict[str, Any] | None) -> str:
+    """The request's transfer id, or "" when it has none (then ids and digest match it)."""
+    tid = (params or {}).get("transfer_id")
+    return tid if isinstance(tid, str) else ""

@@ -8,7 +8,8 @@ message            direction   format
 =================  ==========  ================================================================
 registration       D -> P      ``PUSH_REG:`` + msgpack map (exactly the :class:`PushReg` fields)
 completion         P -> D      ``<D request_id>:<P tp_size>`` (rides on each WRITE)
-heartbeat          D -> P      ``HB:`` + comma-separated transfer ids still waiting
+heartbeat          D -> P      ``HB:`` + comma-separated transfer ids still waiting (the base
+                               request id of a transfer that has no transfer_id)
 failure            P -> D      ``PUSH_FAIL:`` + msgpack ``{request_id, transfer_id, reason}``
 cancel             D -> P      ``PUSH_CANCEL:`` + msgpack ``{request_id, transfer_id}``
 cancel ack         P -> D      ``PUSH_CANCEL_ACK:`` + msgpack ``{request_id, transfer_id}``
@@ -18,6 +19,11 @@ Dispatch is on the text before the FIRST ``:``: one of the reserved tags selects
 anything else is a completion, parsed by splitting on the LAST ``:`` (request ids may contain
 ``:``). So a completion's request id must not begin with a reserved tag followed by ``:`` (or be
 a bare tag); :func:`encode_completion` refuses such ids.
+
+A registration carries ``prompt_digest`` (:func:`kvconnector.security.prompt_digest` of D's
+prompt tokens); P writes only into a registration whose digest equals that of the prompt it
+prefilled. The field may be absent on the wire (``""``): such a registration matches no prompt
+and P answers it with PUSH_FAIL, so a D that does not send digests recomputes instead of waiting.
 
 Invariant: :func:`decode_notif` is strict and total. It returns one of the typed structs or
 raises :class:`MalformedNotif`, never anything else, whatever the input (wrong types, missing or
@@ -51,7 +57,9 @@ __all__ = [
     "encode_push_cancel_ack",
     "encode_push_fail",
     "encode_push_reg",
+    "heartbeat_can_carry",
     "notif_kind",
+    "reads_as_tagged",
 ]
 
 PUSH_REG = "PUSH_REG"
@@ -73,6 +81,11 @@ MAX_TP_SIZE = 4096
 # Field types. msgspec rejects bool for int and float for int, so these are exact.
 ReqId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
 TransferId = Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]  # "" = none: match by req id
+# A transfer id a request may give: what a heartbeat can carry (non-empty, no ',').
+GivenTransferId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN,
+                                              pattern=r"^[^,]*$")]
+MAX_DIGEST_LEN = 64
+Digest = Annotated[str, msgspec.Meta(max_length=MAX_DIGEST_LEN)]
 EngineId = Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]
 Host = Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
@@ -113,6 +126,7 @@ class PushReg(_Strict):
     remote_host: Host
     remote_port: Port
     remote_tp_size: TpSize
+    prompt_digest: Digest = ""  # of D's whole prompt; "" matches nothing
 
 
 class Completion(_Strict):
@@ -123,7 +137,8 @@ class Completion(_Strict):
 
 
 class Heartbeat(_Strict):
-    """D still waits for these transfers (extends P's leases)."""
+    """D still waits for these transfers (extends P's leases): transfer ids, and the base
+    request ids of transfers without one."""
 
     transfer_ids: tuple[str, ...]
 
@@ -201,9 +216,15 @@ def encode_completion(d_request_id: str, p_tp_size: int) -> bytes:
     return f"{d_request_id}:{p_tp_size}".encode()
 
 
+def heartbeat_can_carry(transfer_id: object) -> bool:
+    """Whether an id fits in a heartbeat (non-empty str without ',', at most MAX_ID_LEN)."""
+    return (isinstance(transfer_id, str) and bool(transfer_id) and "," not in transfer_id
+            and len(transfer_id) <= MAX_ID_LEN)
+
+
 def encode_heartbeat(transfer_ids: list[str] | tuple[str, ...]) -> bytes:
     for tid in transfer_ids:
-        if not isinstance(tid, str) or not tid or "," in tid or len(tid) > MAX_ID_LEN:
+        if not heartbeat_can_carry(tid):
             raise ValueError(f"heartbeat transfer id must be a non-empty str without ',': {tid!r}")
     if len(transfer_ids) > MAX_HEARTBEAT_IDS:
         raise ValueError(f"too many heartbeat ids ({len(transfer_ids)} > {MAX_HEARTBEAT_IDS})")
@@ -213,8 +234,14 @@ def encode_heartbeat(transfer_ids: list[str] | tuple[str, ...]) -> bytes:
 def _check_completion_id(request_id: str) -> None:
     if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_ID_LEN:
         raise ValueError(f"request id must be a non-empty str of <= {MAX_ID_LEN}: {request_id!r}")
-    if request_id.split(":", 1)[0] in TAGS:
+    if reads_as_tagged(request_id):
         raise ValueError(f"request id {request_id!r} would read as a tagged notification")
+
+
+def reads_as_tagged(request_id: str) -> bool:
+    """Whether a completion for this id would be dispatched as a tagged message (the id is a
+    bare tag or begins with one followed by ``:``)."""
+    return request_id.split(":", 1)[0] in TAGS
 
 
 # ---------------------------------------------------------------- decoding

@@ -1,7 +1,9 @@
 """The proxy's FastAPI app: the two OpenAI POST routes, /v1/models, /health, /metrics.
 
 Invariants: every client request gets either D's answer relayed as it arrives or an OpenAI
-error body (with the request id in the message and in the `X-Request-Id` header); every
+error body (with the request id in the message and in the `X-Request-Id` header); the
+client's X-Request-Id is a trace label only (echoed, logged): both legs carry an id and a
+transfer_id the proxy made for this request, so clients reusing ids cannot cross requests; every
 request is counted in `pdserve:proxy_requests_total{route,status}` (499: the client left
 before the response started). Everything runs on the event loop of the uvicorn server.
 """
@@ -109,8 +111,10 @@ class ProxyState:
             raise ProxyError(401, f"request {request_id}: missing or invalid API key "
                              "(send 'Authorization: Bearer <key>')", code="invalid_api_key")
 
-    def leg_headers(self, request: Request, request_id: str) -> dict[str, str]:
-        headers = {"content-type": "application/json", "x-request-id": request_id}
+    def leg_headers(self, request: Request, engine_request_id: str) -> dict[str, str]:
+        """Headers for a backend call. `engine_request_id` is the proxy's own id, never the
+        client's X-Request-Id (a label only): client ids never pair a P leg with a D leg."""
+        headers = {"content-type": "application/json", "x-request-id": engine_request_id}
         if self.config.api_key:
             headers.update(self.backend_auth)
         elif "authorization" in request.headers:
@@ -120,6 +124,7 @@ class ProxyState:
     async def generate(self, request: Request, route: str) -> Response:
         started = time.monotonic()
         request_id = _request_id(request)
+        engine_request_id = new_id()
         try:
             self.authorize(request, request_id)
             body = await _read_json_body(request, self.config.max_body_bytes, request_id)
@@ -128,8 +133,9 @@ class ProxyState:
                 route=route,
                 path=ROUTE_PATHS[route],
                 body=body,
-                headers=self.leg_headers(request, request_id),
+                headers=self.leg_headers(request, engine_request_id),
                 request_id=request_id,
+                engine_request_id=engine_request_id,
                 started=started,
                 deadline=started + self.config.request_timeout,
                 disconnect=asyncio.ensure_future(wait_for_disconnect(request.receive)),
@@ -166,7 +172,7 @@ class ProxyState:
 
     async def _models_from_decode(self, request: Request, request_id: str) -> Response:
         assert self.control is not None, "proxy not started"
-        headers = self.leg_headers(request, request_id)
+        headers = self.leg_headers(request, new_id())
         errors = []
         for backend in sorted(self.decode.healthy(), key=lambda b: b.outstanding):
             try:
@@ -204,6 +210,8 @@ class ProxyState:
 
 
 def _request_id(request: Request) -> str:
+    """The client's X-Request-Id when it is a sane label, else a fresh one: echoed to the
+    client and written in logs and error messages, never sent to an engine."""
     given = request.headers.get("x-request-id", "")
     return given if _REQUEST_ID.match(given) else new_id()
 
@@ -268,7 +276,12 @@ def build_app(config: ProxyConfig) -> FastAPI:
         return state.health_report()
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if not config.public_metrics:
+            try:
+                state.authorize(request, _request_id(request))
+            except ProxyError as err:
+                return err.response()
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.exception_handler(StarletteHTTPException)

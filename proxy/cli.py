@@ -21,7 +21,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' and send it to the backends")
+                        help="require 'Authorization: Bearer KEY' on every route but "
+                        "/health (/metrics too, unless --public-metrics) and send it to the "
+                        "backends")
+    parser.add_argument("--public-metrics", action="store_true",
+                        help="serve /metrics without the API key (for a Prometheus scraper "
+                        "that holds no key); off by default, since the counters reveal load "
+                        "and traffic")
     parser.add_argument("--p-failure-policy", choices=P_FAILURE_POLICIES, default="recompute",
                         help="on a failed P leg: let D recompute the prompt, or cancel the "
                         "request with an error (default: recompute)")
@@ -45,6 +51,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         host=args.host,
         port=args.port,
         api_key=args.api_key,
+        public_metrics=args.public_metrics,
         p_failure_policy=args.p_failure_policy,
         request_timeout=args.request_timeout,
         health_interval=args.health_interval,

@@ -37,7 +37,8 @@ class ProxyConfig:
     mode: str = "push"
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | None = None  # guards every route but /health (and /metrics if public)
+    public_metrics: bool = False
     p_failure_policy: str = "recompute"
     request_timeout: float = 600.0
     health_interval: float = 2.0

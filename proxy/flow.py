@@ -1,7 +1,9 @@
 """Leg dispatch: one client request becomes a P leg and a D leg (push: at once; pull: in turn).
 
 Invariants
-  - Both legs carry the same X-Request-Id; in push mode also the same transfer_id.
+  - Both legs carry the same X-Request-Id, made by the proxy for this request (the client's
+    is only a label, `RequestContext.request_id`); in push mode also the same transfer_id,
+    also fresh per request, so P and D pair by transfer_id alone.
   - Every request ends within `request_timeout`: with D's answer, or an OpenAI error body.
   - No leg outlives its request's interest in it: a client disconnect, a D failure or a P
     verdict that cancels the request aborts the other leg's HTTP request. A successful D
@@ -55,10 +57,11 @@ class RequestContext:
     path: str  # the backend path for the legs
     body: dict[str, Any]
     headers: dict[str, str]  # for both legs: X-Request-Id, Authorization, Content-Type
-    request_id: str
+    request_id: str  # the client's label: echoed, logged, never sent to an engine
     started: float  # time.monotonic() at arrival
     deadline: float
     disconnect: asyncio.Future[None]  # done when the client has gone
+    engine_request_id: str = ""  # the legs' X-Request-Id, fresh per request
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -89,6 +92,8 @@ class Dispatcher:
 
     async def dispatch(self, ctx: RequestContext) -> Response:
         """The client's response (a relay, or an error). Raises ProxyError or ClientGone."""
+        logger.debug("request %s: engine request id %s", ctx.request_id,
+                     ctx.engine_request_id)
         if self.config.mode == "push":
             return await self._push(ctx)
         return await self._pull(ctx)

@@ -26,7 +26,11 @@ from engine.client import make_client
 from engine.client.async_mp_client import cancel_task
 from engine.client.base import EngineCoreClient, EngineDeadError
 from engine.config import EngineConfig
-from engine.frontend.input_processor import InputProcessor, PromptType
+from engine.frontend.input_processor import (
+    InputProcessor,
+    PromptType,
+    make_internal_request_id,
+)
 from engine.frontend.output_processor import (
     OutputProcessor,
     ParentRequest,
@@ -66,7 +70,9 @@ class AsyncLLM:
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.client = client or make_client(config, multiprocess=multiprocess,
                                             asyncio_mode=True)
-        self._requests: dict[str, list[str]] = {}  # external id -> internal core ids
+        # internal id -> (caller's id, core ids of its children); never keyed by the caller's
+        # id, which clients may reuse
+        self._requests: dict[str, tuple[str, list[str]]] = {}
         self._handler: asyncio.Task | None = None
         self._background: set[asyncio.Future] = set()
         self._dead: EngineDeadError | None = None
@@ -112,13 +118,24 @@ class AsyncLLM:
         request_id: str,
         *,
         kv_transfer_params: dict[str, Any] | None = None,
+        internal_request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream the outputs of one request until it finishes (finished=True last)."""
+        """Stream the outputs of one request until it finishes (finished=True last).
+
+        `request_id` is the caller's id: outputs carry it, and several requests may share it
+        (a client reusing an X-Request-Id). The engine tracks each request by its internal id,
+        `internal_request_id` or `make_internal_request_id(request_id)` (the caller's id plus
+        8 hex characters, which KV peers strip to pair P and D); it must be unique among the
+        requests in flight. Pass it to `abort` to end exactly this request."""
         self._raise_if_dead()
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        if internal_request_id is None:
+            internal_request_id = self._fresh_internal_id(request_id)
+        elif internal_request_id in self._requests:
+            raise ValueError(f"internal request id {internal_request_id!r} is already in use")
         request, prompt_text = self.input_processor.process(
-            request_id, prompt, sampling_params, kv_transfer_params=kv_transfer_params)
+            request_id, prompt, sampling_params, kv_transfer_params=kv_transfer_params,
+            internal_request_id=internal_request_id)
+        key = request.request_id
         params = request.sampling_params
         collector = RequestOutputCollector(params.output_kind, request_id)
         if params.n == 1:
@@ -129,7 +146,7 @@ class AsyncLLM:
         for index, child in enumerate(children):
             self.output_processor.add_request(child, prompt_text, parent, index,
                                               queue=collector, external_req_id=request_id)
-        self._requests[request_id] = [c.request_id for c in children]
+        self._requests[key] = (request_id, [c.request_id for c in children])
         self._ensure_output_handler()
         finished = False
         try:
@@ -140,19 +157,32 @@ class AsyncLLM:
                 finished = out.finished
                 yield out
         finally:
-            if self._requests.get(request_id) is not None and not finished:
+            if self._requests.get(key) is not None and not finished:
                 # Cancelled, closed early, or failed: nothing may keep running in the core.
-                logger.debug("request %s: consumer gone before the end; aborting", request_id)
-                self.abort(request_id)
-            self._requests.pop(request_id, None)
+                logger.debug("request %s (%s): consumer gone before the end; aborting",
+                             key, request_id)
+                self.abort(key)
+            self._requests.pop(key, None)
+
+    def _fresh_internal_id(self, request_id: str) -> str:
+        while True:
+            internal = make_internal_request_id(request_id)
+            if internal not in self._requests:
+                return internal
 
     def abort(self, request_id: str) -> asyncio.Future:
         """Abort a request (all its children) here and in the core.
 
-        The frontend side happens at once; the returned future completes once the abort was
-        sent to the core (awaiting it is optional). Unknown ids are ignored.
+        `request_id` is an internal id (as given to or made by `generate`: exactly that
+        request), else a caller's id: every request in flight under it. The frontend side
+        happens at once; the returned future completes once the abort was sent to the core
+        (awaiting it is optional). Unknown ids are ignored.
         """
-        ids = self._requests.pop(request_id, None)
+        if request_id in self._requests:
+            keys = [request_id]
+        else:
+            keys = [k for k, (ext, _) in self._requests.items() if ext == request_id]
+        ids = [cid for k in keys for cid in self._requests.pop(k)[1]]
         core_ids = self.output_processor.abort_requests(ids) if ids else []
         return self._abort_in_core(core_ids)
 

@@ -7,6 +7,7 @@ with `param` set, and nothing half-validated is ever queued.
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,17 +19,29 @@ from engine.protocol import EngineCoreRequest, SamplingParams, now
 PromptType = str | Mapping[str, Any] | list[int]
 
 
+# Separators of the KV notification formats: an internal id never holds them, so no
+# client-chosen id can read as another message (`HB:x`, `PUSH_REG:...`) or split a heartbeat.
+_ESCAPES = {"%": "%25", ":": "%3A", ",": "%2C"}
+_UNESCAPES = {v: k for k, v in _ESCAPES.items()}
+_ESCAPED = re.compile("|".join(re.escape(k) for k in _ESCAPES))
+_UNESCAPED = re.compile("|".join(re.escape(k) for k in _UNESCAPES))
+
+
 def make_internal_request_id(external_id: str) -> str:
-    """The core's id: the user's id plus 8 random hex characters, unique even when users
-    reuse ids. Peers strip the suffix to recover the user's id."""
-    return f"{external_id}-{secrets.token_hex(4)}"
+    """The core's id: the caller's id, with '%', ':' and ',' percent-escaped, plus '-' and 8
+    random hex characters. Unique even when callers reuse ids; the same caller's id gives the
+    same text before the suffix on every engine, so KV peers strip the suffix to pair a
+    prefill with its decode (vLLM's push protocol), and it is never a notification tag."""
+    escaped = _ESCAPED.sub(lambda m: _ESCAPES[m.group(0)], external_id)
+    return f"{escaped}-{secrets.token_hex(4)}"
 
 
 def external_request_id(internal_id: str) -> str:
-    """Inverse of make_internal_request_id: drop a trailing "-" + 8 hex characters."""
+    """Inverse of make_internal_request_id: drop a trailing "-" + 8 hex characters and undo
+    the escapes."""
     head, sep, tail = internal_id.rpartition("-")
     if sep and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail):
-        return head
+        return _UNESCAPED.sub(lambda m: _UNESCAPES[m.group(0)], head)
     return internal_id
 
 
@@ -131,9 +144,11 @@ class InputProcessor:
         params: SamplingParams | None,
         arrival_time: float | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        internal_request_id: str | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
-        """Validate and tokenize. Returns the core request (request_id = internal id) and the
-        prompt text when known. The caller's SamplingParams object is never modified."""
+        """Validate and tokenize. Returns the core request (request_id = internal id: the one
+        given, else a fresh one) and the prompt text when known. The caller's SamplingParams
+        object is never modified."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         if params is None:
@@ -144,7 +159,7 @@ class InputProcessor:
             self.kv_params_validator(kv_transfer_params, ids)  # e.g. bound to this prompt
         params = self._resolve_params(params, len(ids))
         request = EngineCoreRequest(
-            request_id=make_internal_request_id(request_id),
+            request_id=internal_request_id or make_internal_request_id(request_id),
             prompt_token_ids=ids,
             sampling_params=params,
             eos_token_id=self.eos_token_id,

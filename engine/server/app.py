@@ -41,7 +41,8 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 class ServerSettings:
     """HTTP-level settings (the engine's own live in EngineConfig)."""
 
-    api_key: str | None = None
+    api_key: str | None = None  # guards every route but /health (and public /metrics)
+    public_metrics: bool = False  # /metrics without the API key
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     kv_transfer_info: dict[str, Any] | None = None  # None → GET /kv_transfer/info is 404
 
@@ -92,6 +93,7 @@ def build_app(
         api_key=settings.api_key,
         max_body_bytes=settings.max_request_body_bytes,
         is_draining=lambda: app.state.draining,
+        public_metrics=settings.public_metrics,
     )
 
     async def engine_alive() -> None:

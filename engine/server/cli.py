@@ -44,8 +44,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or None,
-                        help="require 'Authorization: Bearer KEY' on /v1/* "
-                             "(default: $PDSERVE_API_KEY)")
+                        help="require 'Authorization: Bearer KEY' on every route but "
+                             "/health: /v1/*, /metrics, /engine_stats, /kv_transfer/info, "
+                             "/tokenize, /debug/* (default: $PDSERVE_API_KEY)")
+    parser.add_argument("--public-metrics", action="store_true",
+                        help="serve /metrics without the API key (for a Prometheus scraper "
+                             "that holds no key); off by default, since the counters reveal "
+                             "load and traffic")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16",
                                                           "float16"])
@@ -140,7 +145,7 @@ def serve_main(args: argparse.Namespace, *, role_defaults: Mapping[str, Any] | N
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args, role_defaults)
-        settings = ServerSettings(api_key=args.api_key,
+        settings = ServerSettings(api_key=args.api_key, public_metrics=args.public_metrics,
                                   max_request_body_bytes=args.max_request_body_bytes,
                                   kv_transfer_info=kv_transfer_info(config))
         if args.drain_timeout < 0:

@@ -40,6 +40,8 @@ TRANSFER_COUNTERS: dict[str, str] = {
     "kv_recompute_fallback_total": "Requests that fell back to computing the prompt locally.",
     "kv_remote_prefill_tokens_total": "Prompt tokens D received instead of computing.",
     "kv_push_fail_sent_total": "PUSH_FAIL notifications P sent (it will not write).",
+    "kv_push_digest_mismatch_total": "Push registrations P refused: their prompt digest differs "
+                                     "from the prompt P prefilled.",
     "kv_malformed_notifs_total": "Malformed KV notifications counted and dropped.",
     "kv_malformed_side_channel_total": "Malformed side-channel requests counted and dropped.",
     "kv_pull_reads_total": "KV READs D completed from P (pull mode).",

@@ -2,7 +2,9 @@
 
 Order per HTTP request:
 1. draining (SIGTERM received): every new request but /metrics gets 503;
-2. `--api-key`: /v1/* needs `Authorization: Bearer <key>` (401 otherwise);
+2. `--api-key`: every route but /health (and /metrics with `--public-metrics`) needs
+   `Authorization: Bearer <key>` (401 otherwise): /v1/*, /metrics, /engine_stats,
+   /kv_transfer/info, /tokenize, /debug/* and any path the app does not know;
 3. body size: a Content-Length over the limit is refused before reading (413); otherwise the
    body is read here, counting bytes as they stream in (413 as soon as the limit is passed),
    and replayed to the app. After the body, `receive` is the server's again, so the app still
@@ -39,9 +41,11 @@ class GuardMiddleware:
         api_key: str | None,
         max_body_bytes: int,
         is_draining: Callable[[], bool],
+        public_metrics: bool = False,
     ) -> None:
         self.app = app
         self.api_key = api_key
+        self.open_paths = frozenset(("/health", "/metrics") if public_metrics else ("/health",))
         self.max_body_bytes = max_body_bytes
         self.is_draining = is_draining
 
@@ -54,7 +58,8 @@ class GuardMiddleware:
             await _send_error(send, 503, "the server is shutting down", "draining",
                               [(b"connection", b"close")])
             return
-        if self.api_key is not None and path.startswith("/v1") and not self._authorized(scope):
+        if (self.api_key is not None and path not in self.open_paths
+                and not self._authorized(scope)):
             await _send_error(send, 401, "missing or invalid API key", "invalid_api_key",
                               [(b"www-authenticate", b"Bearer")])
             return

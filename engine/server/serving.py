@@ -24,6 +24,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.client.base import EngineDeadError
+from engine.frontend.input_processor import make_internal_request_id
 from engine.protocol import SamplingParams
 from engine.server.errors import APIError, dead_engine_error, error_body, from_value_error
 
@@ -42,7 +43,7 @@ class ServingContext:
     max_model_len: int | None
     tokenizer: Any
     metrics: Any = None
-    active: set[str] = field(default_factory=set)  # engine request ids in flight
+    active: set[str] = field(default_factory=set)  # internal engine request ids in flight
 
     def abort_all(self) -> int:
         """Abort every request in flight (drain deadline): each ends with finish_reason
@@ -63,7 +64,12 @@ class ServingContext:
 
 
 def make_request_id(request: Request, prefix: str) -> str:
-    """The client's X-Request-Id (the proxy sends one per request) or a fresh id."""
+    """The client's X-Request-Id (the proxy sends one per request) or a fresh id.
+
+    This id is a label: it names the response and the logs, and may be reused by clients at
+    will. The engine never keys anything by it: each generation gets its own internal id
+    (`engine_stream`), the label escaped (no ':' or ',', so no id can read as a KV
+    notification such as `HB:x`) plus 8 random hex characters."""
     given = request.headers.get(REQUEST_ID_HEADER)
     if given and len(given) <= 256 and given.isprintable():
         return given
@@ -77,12 +83,18 @@ async def engine_stream(
     request_id: str,
     kv_transfer_params: dict[str, Any] | None,
 ) -> AsyncIterator[Any]:
-    """The engine's outputs for one prompt, errors translated to APIError."""
+    """The engine's outputs for one prompt, errors translated to APIError.
+
+    `request_id` is the client's label; the engine request gets a unique internal id, and an
+    abort names that id, so ending this stream never ends another request with the same
+    label."""
     finished = False
-    ctx.active.add(request_id)
+    internal_id = make_internal_request_id(request_id)
+    ctx.active.add(internal_id)
     try:
         gen = ctx.engine.generate(prompt, params, request_id,
-                                  kv_transfer_params=kv_transfer_params)
+                                  kv_transfer_params=kv_transfer_params,
+                                  internal_request_id=internal_id)
         async for out in gen:
             finished = out.finished
             yield out
@@ -91,10 +103,10 @@ async def engine_stream(
     except EngineDeadError as exc:
         raise dead_engine_error(exc) from exc
     finally:
-        ctx.active.discard(request_id)
+        ctx.active.discard(internal_id)
         if not finished:
             with contextlib.suppress(Exception):
-                ctx.engine.abort(request_id)
+                ctx.engine.abort(internal_id)
 
 
 async def merge_streams(

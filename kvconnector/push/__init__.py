@@ -13,10 +13,13 @@ Modules:
 - writer.py     the `nixl-push-writer` thread: wakes on its event, drains the inbox,
                 dispatches inbound notifications, polls Sender and Receiver, publishes
                 finished/failed ids. Polls every 1 ms only while work is outstanding.
-- sender.py     P side: matching tables (transfer_id, exact id, base id), leases extended by
-                HB, WRITE posting with completion `<D id>:<tp>`, PUSH_FAIL when P will not
-                write, PUSH_CANCEL handling (ACK only once no WRITE can land), tombstones
-                for transfers P gave up on (a late PUSH_REG gets PUSH_FAIL), ttl guard (no
+- sender.py     P side: matching tables (by transfer_id when both sides carry one, else —
+                neither does, vLLM's push protocol — exact id, then base id; always the
+                same prompt digest, PUSH_FAIL otherwise), leases extended by HB (transfer
+                id or base request id), WRITE posting with completion `<D id>:<tp>`,
+                PUSH_FAIL when P will not write (any error on the send path included),
+                PUSH_CANCEL handling (ACK only once no WRITE can land), tombstones for
+                transfers P gave up on (a late PUSH_REG gets PUSH_FAIL), ttl guard (no
                 WRITE for a registration older than `push_registration_timeout`).
 - receiver.py   D side: handshake then PUSH_REG, heartbeats while queued or waiting,
                 completion → finished_recving, PUSH_FAIL / watchdog / dead P →

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvconnector.wire import base_request_id
+
+
+def heartbeat_id(request_id: str, transfer_id: str | None) -> str:
+    """What D's heartbeat names a transfer by, and P's lease is found by: the transfer id, or
+    the base request id (engine suffix stripped) of a transfer without one."""
+    return transfer_id or base_request_id(request_id)
+
 
 @dataclass(frozen=True)
 class Registration:
     """D side: blocks D preallocated for a prompt, to be registered with P."""
 
     request_id: str
-    transfer_id: str
+    transfer_id: str  # "" = none: P matches by request id (and prompt digest)
     local_block_ids: list[int]  # D's ids for prompt blocks first_block_index, ...
     first_block_index: int
     num_prompt_tokens: int
@@ -18,6 +26,11 @@ class Registration:
     remote_host: str
     remote_port: int
     remote_tp_size: int
+    prompt_digest: str = ""  # security.prompt_digest of the whole prompt
+
+    @property
+    def hb_id(self) -> str:
+        return heartbeat_id(self.request_id, self.transfer_id)
 
 
 @dataclass(frozen=True)
@@ -25,10 +38,14 @@ class Queued:
     """D side: a remote-prefill request that waits in D's queue before its blocks exist."""
 
     request_id: str
-    transfer_id: str
+    transfer_id: str  # "" = none
     remote_engine_id: str
     remote_host: str
     remote_port: int
+
+    @property
+    def hb_id(self) -> str:
+        return heartbeat_id(self.request_id, self.transfer_id)
 
 
 @dataclass(frozen=True)
@@ -39,6 +56,7 @@ class FinishedBlocks:
     transfer_id: str | None
     block_ids: list[int]  # every prompt block, in prompt order
     num_prompt_tokens: int
+    prompt_digest: str = ""  # security.prompt_digest of P's prompt; a PUSH_REG must equal it
 
 
 @dataclass

@@ -182,15 +182,15 @@ class Receiver:
                 self._fail(rid, f"handshake with prefill engine {reg.remote_engine_id} at "
                                 f"{addr[0]}:{addr[1]} failed: {peer.reason}", safe=True)
                 continue
-            msg = wire.encode_push_reg(wire.PushReg(
-                request_id=rid, transfer_id=reg.transfer_id,
-                local_block_ids=[list(reg.local_block_ids)],
-                first_block_index=reg.first_block_index,
-                remote_engine_id=reg.remote_engine_id, remote_host=reg.remote_host,
-                remote_port=reg.remote_port, remote_tp_size=reg.remote_tp_size,
-                **self.identity,
-            ))
             try:
+                msg = wire.encode_push_reg(wire.PushReg(
+                    request_id=rid, transfer_id=reg.transfer_id,
+                    local_block_ids=[list(reg.local_block_ids)],
+                    first_block_index=reg.first_block_index,
+                    remote_engine_id=reg.remote_engine_id, remote_host=reg.remote_host,
+                    remote_port=reg.remote_port, remote_tp_size=reg.remote_tp_size,
+                    prompt_digest=reg.prompt_digest, **self.identity,
+                ))
                 self.t.send_notif(peer.agent_name, msg)
             except Exception as e:  # noqa: BLE001
                 self._fail(rid, f"sending PUSH_REG to {addr[0]}:{addr[1]} failed: {e}",
@@ -234,12 +234,15 @@ class Receiver:
     def _heartbeat(self) -> None:
         by_peer: dict[Address, list[str]] = {}
         for q in self.queued.values():
-            by_peer.setdefault((q.remote_host, q.remote_port), []).append(q.transfer_id)
+            by_peer.setdefault((q.remote_host, q.remote_port), []).append(q.hb_id)
         for w in self.waiting.values():
-            by_peer.setdefault(w.addr, []).append(w.reg.transfer_id)
+            by_peer.setdefault(w.addr, []).append(w.reg.hb_id)
         for addr, ids in by_peer.items():
             peer = self.peers.get(addr)
-            if peer.status == "ready":
+            # An id a heartbeat cannot carry (a request id with ',') is not heartbeated: at
+            # worst P's lease expires and it answers PUSH_FAIL; D recomputes.
+            ids = [i for i in ids if wire.heartbeat_can_carry(i)]
+            if peer.status == "ready" and ids:
                 try:
                     self.t.send_notif(peer.agent_name, wire.encode_heartbeat(ids))
                 except Exception as e:  # noqa: BLE001 - the probe below tells what it means

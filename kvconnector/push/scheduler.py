@@ -19,8 +19,9 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.kv_connector import KVCacheSpec, KVConnectorOutput, KVConnectorScheduler
-from kvconnector.params import validate_kv_transfer_params
+from kvconnector.params import transfer_id_of, validate_kv_transfer_params
 from kvconnector.push.meta import FinishedBlocks, PushMeta, Queued, Registration
+from kvconnector.security import prompt_digest
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class PushScheduler(KVConnectorScheduler):
     def on_request_added(self, request: Any) -> None:
         p = self._remote_params(request)
         if p is not None:
-            self._meta.queued.append(Queued(request.request_id, p["transfer_id"],
+            self._meta.queued.append(Queued(request.request_id, transfer_id_of(p),
                                             p["remote_engine_id"], p["remote_host"],
                                             p["remote_port"]))
             self._held.add(request.request_id)
@@ -86,11 +87,12 @@ class PushScheduler(KVConnectorScheduler):
         first = (request.num_prompt_tokens - num_external_tokens) // self.block_size
         last = cdiv(request.num_prompt_tokens, self.block_size)
         reg = Registration(
-            request_id=request.request_id, transfer_id=p["transfer_id"],
+            request_id=request.request_id, transfer_id=transfer_id_of(p),
             local_block_ids=list(block_ids[first:last]), first_block_index=first,
             num_prompt_tokens=request.num_prompt_tokens,
             remote_engine_id=p["remote_engine_id"], remote_host=p["remote_host"],
             remote_port=p["remote_port"], remote_tp_size=p.get("tp_size", 1),
+            prompt_digest=prompt_digest(request.prompt_token_ids),
         )
         self._meta.registrations.append(reg)
         self._deadlines[request.request_id] = self.clock() + self.registration_timeout
@@ -123,11 +125,12 @@ class PushScheduler(KVConnectorScheduler):
             return True, None
         if not params.get("do_remote_decode"):
             return False, None
-        transfer_id = params.get("transfer_id")
+        transfer_id = transfer_id_of(params) or None
         if request.status.name in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"):
             n = cdiv(request.num_prompt_tokens, self.block_size)
             self._meta.finished_blocks.append(
-                FinishedBlocks(rid, transfer_id, list(block_ids[:n]), request.num_prompt_tokens)
+                FinishedBlocks(rid, transfer_id, list(block_ids[:n]), request.num_prompt_tokens,
+                               prompt_digest(request.prompt_token_ids))
             )
             self._held.add(rid)
             return True, {"transfer_id": transfer_id, "staged_blocks": n}

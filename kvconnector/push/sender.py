@@ -1,13 +1,21 @@
 """P side of the push writer: match D registrations with finished prefill blocks, WRITE.
 
-Owned by the writer thread. Either side of a match may arrive first. Matching tries the
-transfer_id, then the exact request id, then the id without its 8-hex engine suffix.
+Owned by the writer thread. Either side of a match may arrive first. A P request and a
+registration name the same transfer when both carry a transfer_id and they are equal; a
+transfer_id on either side excludes any other match (client-chosen request ids never pair a
+request that has one). Only when neither has one: the exact request id, then the id without
+its 8-hex engine suffix (vLLM's push protocol). Either way P writes only when the
+registration's prompt digest equals that of the prompt P prefilled; otherwise it answers
+PUSH_FAIL (D recomputes) and counts `kv_push_digest_mismatch_total`.
 Guarantees:
 - blocks staged here are reported free-able (`done`) exactly once: after their WRITE
-  completed or failed, or at lease expiry (HB from D extends the lease);
+  completed or failed, or at lease expiry (HB from D extends the lease; D names a transfer
+  by its transfer_id, or by its base request id when it has none);
 - no WRITE is ever posted for a registration older than `ttl` (measured on P), nor for
   one D cancelled; a cancel is acknowledged only once no WRITE for it can still land;
-- whenever P will not write a registration it knows of, it tells D (PUSH_FAIL);
+- whenever P will not write a registration it knows of, it tells D (PUSH_FAIL): any error on
+  the send path (encoding the completion, posting the WRITE) is such a refusal, never a
+  lost request;
 - state created by remote input is bounded: at most `MAX_REGS_PER_AGENT` registrations per
   sending agent and `MAX_REGS` in all, none naming more blocks than P's cache holds, and
   at most `MAX_OUTBOX` notifications waiting for a peer (the oldest are dropped).
@@ -21,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvconnector import wire
-from kvconnector.push.meta import FinishedBlocks
+from kvconnector.push.meta import FinishedBlocks, heartbeat_id
 from kvconnector.push.peers import Peers
 
 logger = logging.getLogger(__name__)
@@ -67,6 +75,7 @@ class SenderStats:
         "kv_transfer_seconds_sum": 0.0, "kv_transfer_seconds_count": 0,
         "kv_lease_expired_total": 0, "kv_push_fail_sent_total": 0,
         "kv_push_registrations_refused_total": 0, "kv_notifs_dropped_total": 0,
+        "kv_push_digest_mismatch_total": 0,
     })
 
     def add(self, name: str, value: float = 1) -> None:
@@ -90,23 +99,28 @@ class Sender:
         self.regs: dict[str, PendingReg] = {}  # D request id -> registration
         self.ready: list[tuple[str, str]] = []  # (P id, D id) matched, waiting for D's peer
         self.inflight: dict[str, Inflight] = {}  # P request id -> WRITE
-        self.tombstones: dict[str, float] = {}  # transfer/base id P gave up on -> expiry
+        self.tombstones: dict[str, float] = {}  # _tomb_key of a transfer P gave up on -> expiry
         self.outbox: list[tuple[tuple[str, int], bytes]] = []  # notifs waiting for a peer
         self.done: set[str] = set()  # P ids whose blocks may be freed
 
     # --- events -------------------------------------------------------------------
     def on_finished_blocks(self, fb: FinishedBlocks) -> None:
         self.staged[fb.request_id] = Staged(fb, self.clock() + self.lease)
-        reg = self._find_reg(fb)
-        if reg is not None:
-            self._match(fb.request_id, reg)
+        candidates = self._regs_for(fb)
+        for rid in candidates:
+            if _digest_ok(fb, self.regs[rid].reg):
+                self._match(fb.request_id, rid)
+                return
+        for rid in candidates:  # same transfer, another prompt: none of them may have these
+            if fb.request_id in self.staged:
+                self._digest_mismatch(fb.request_id, rid)
 
     def on_aborted(self, request_id: str, transfer_id: str | None) -> None:
         """P's request ended without blocks to send: fail D's registration, now or later."""
         fb = FinishedBlocks(request_id, transfer_id, [], 0)
-        reg = self._find_reg(fb)
-        if reg is not None:
-            self._fail(self.regs.pop(reg), "prefill request aborted on P")
+        candidates = self._regs_for(fb)
+        if candidates:
+            self._fail(self.regs.pop(candidates[0]), "prefill request aborted on P")
         else:
             self._tombstone(transfer_id, request_id)
 
@@ -125,20 +139,24 @@ class Sender:
             self._fail(pending, refusal)
             return
         self.peers.get(pending.addr)  # start the reverse handshake early
-        for key in (reg.transfer_id, wire.base_request_id(reg.request_id)):
-            if key and key in self.tombstones:
-                self._fail(pending, "prefill request already ended on P (aborted or expired)")
-                return
+        if _tomb_key(reg.transfer_id, reg.request_id) in self.tombstones:
+            self._fail(pending, "prefill request already ended on P (aborted or expired)")
+            return
         self.regs[reg.request_id] = pending
-        pid = self._find_staged(reg)
-        if pid is not None:
-            self._match(pid, reg.request_id)
+        candidates = self._staged_for(reg)
+        for pid in candidates:
+            if _digest_ok(self.staged[pid].blocks, reg):
+                self._match(pid, reg.request_id)
+                return
+        if candidates:
+            self._digest_mismatch(candidates[0], reg.request_id)
 
-    def on_heartbeat(self, transfer_ids: list[str]) -> None:
-        wanted = set(transfer_ids)
+    def on_heartbeat(self, ids: list[str]) -> None:
+        """D still waits: `ids` are transfer ids, or base request ids of transfers without."""
+        wanted = set(ids)
         deadline = self.clock() + self.lease
-        for staged in self.staged.values():
-            if staged.blocks.transfer_id in wanted:
+        for p_id, staged in self.staged.items():
+            if heartbeat_id(p_id, staged.blocks.transfer_id) in wanted:
                 staged.lease_deadline = max(staged.lease_deadline, deadline)
 
     def on_cancel(self, d_request_id: str, transfer_id: str, agent: str | None = None) -> None:
@@ -155,7 +173,7 @@ class Sender:
         pending = self.regs.pop(d_request_id, None)
         self.ready = [(p, d) for p, d in self.ready if d != d_request_id]
         for staged in self.staged.values():
-            if staged.matched and pending and self._same(staged.blocks, pending.reg):
+            if staged.matched and pending and _rank(staged.blocks, pending.reg) is not None:
                 staged.matched = False
         self._tombstone(transfer_id, d_request_id)
         ack = wire.encode_push_cancel_ack(d_request_id, transfer_id)
@@ -203,40 +221,34 @@ class Sender:
         used |= {addr for addr, _ in self.outbox}
         return used
 
-    def _same(self, fb: FinishedBlocks, reg: Any) -> bool:
-        if fb.transfer_id and reg.transfer_id:
-            return fb.transfer_id == reg.transfer_id
-        return (fb.request_id == reg.request_id
-                or wire.base_request_id(fb.request_id) == wire.base_request_id(reg.request_id))
-
-    def _find_reg(self, fb: FinishedBlocks) -> str | None:
+    def _regs_for(self, fb: FinishedBlocks) -> list[str]:
+        """Unmatched registrations naming fb's transfer, best first (see `_rank`)."""
         taken = {d for _, d in self.ready}
-        free = {rid: p for rid, p in self.regs.items() if rid not in taken}
-        if fb.transfer_id:
-            for rid, p in free.items():
-                if p.reg.transfer_id == fb.transfer_id:
-                    return rid
-        if fb.request_id in free:
-            return fb.request_id
-        base = wire.base_request_id(fb.request_id)
-        for rid in free:
-            if wire.base_request_id(rid) == base:
-                return rid
-        return None
+        ranked = [(r, rid) for rid, p in self.regs.items()
+                  if rid not in taken and (r := _rank(fb, p.reg)) is not None]
+        return [rid for _, rid in sorted(ranked, key=lambda x: x[0])]
 
-    def _find_staged(self, reg: Any) -> str | None:
-        free = {pid: s for pid, s in self.staged.items() if not s.matched}
-        if reg.transfer_id:
-            for pid, s in free.items():
-                if s.blocks.transfer_id == reg.transfer_id:
-                    return pid
-        if reg.request_id in free:
-            return reg.request_id
-        base = wire.base_request_id(reg.request_id)
-        for pid in free:
-            if wire.base_request_id(pid) == base:
-                return pid
-        return None
+    def _staged_for(self, reg: Any) -> list[str]:
+        """Unmatched staged P requests naming reg's transfer, best first."""
+        ranked = [(r, pid) for pid, s in self.staged.items()
+                  if not s.matched and (r := _rank(s.blocks, reg)) is not None]
+        return [pid for _, pid in sorted(ranked, key=lambda x: x[0])]
+
+    def _digest_mismatch(self, p_id: str, d_id: str) -> None:
+        """Same transfer, different prompt: D's registration is refused (D recomputes). With
+        a transfer id the transfer is spoiled, so P's blocks go too; without one they stay for
+        a registration of their own prompt (a client may reuse a request id)."""
+        pending = self.regs.pop(d_id)
+        staged = self.staged[p_id]
+        self.stats.add("kv_push_digest_mismatch_total")
+        logger.warning("registration %s (transfer %r) from D %s:%d has another prompt than P "
+                       "request %s: not writing", d_id, pending.reg.transfer_id, *pending.addr,
+                       p_id)
+        self._fail(pending, "prompt digest mismatch: D's prompt differs from the one P "
+                            "prefilled for this transfer")
+        if staged.blocks.transfer_id:
+            self._tombstone(staged.blocks.transfer_id, p_id)
+            self._release(p_id, failed=True)
 
     def _match(self, p_id: str, d_id: str) -> None:
         self.staged[p_id].matched = True
@@ -262,29 +274,36 @@ class Sender:
         self.ready = waiting
 
     def _post(self, p_id: str, pending: PendingReg, agent: str, now: float) -> None:
+        """Post the WRITE, or refuse: every path either records an in-flight WRITE or sends
+        PUSH_FAIL and releases P's blocks, whatever raises on the way."""
+        try:
+            reason = self._try_post(p_id, pending, agent, now)
+        except Exception as e:  # noqa: BLE001 - a failed post is a PUSH_FAIL, not a lost request
+            self.stats.add("kv_push_write_failures_total")
+            reason = f"WRITE submission failed: {type(e).__name__}: {e}"
+        if reason is None:
+            return
+        logger.warning("not writing %s -> D %s: %s", p_id, pending.reg.request_id, reason)
+        self._fail(pending, reason)
+        self._release(p_id, failed=True)
+
+    def _try_post(self, p_id: str, pending: PendingReg, agent: str, now: float
+                  ) -> str | None:
+        """Post the WRITE (None) or say why not."""
         reg, staged = pending.reg, self.staged[p_id]
         d_ids = [b for group in reg.local_block_ids for b in group]
         first = reg.first_block_index
         p_ids = staged.blocks.block_ids[first:first + len(d_ids)]
         if now - pending.received_at > self.ttl:
-            reason = f"registration older than its ttl ({self.ttl:.0f}s)"
-        elif len(p_ids) != len(d_ids) or not d_ids:
-            reason = (f"block count mismatch: D registered {len(d_ids)} from block {first}, "
-                      f"P holds {len(staged.blocks.block_ids)}")
-        else:
-            notif = wire.encode_completion(reg.request_id, self.tp_size)
-            try:
-                handle = self.t.write(agent, p_ids, d_ids, notif)
-            except Exception as e:  # noqa: BLE001 - a failed post is a PUSH_FAIL, not a crash
-                self.stats.add("kv_push_write_failures_total")
-                reason = f"WRITE submission failed: {e}"
-            else:
-                nbytes = len(d_ids) * self.bytes_per_block
-                self.inflight[p_id] = Inflight(p_id, pending, handle, now, nbytes)
-                return
-        logger.warning("not writing %s -> D %s: %s", p_id, reg.request_id, reason)
-        self._fail(pending, reason)
-        self._release(p_id, failed=True)
+            return f"registration older than its ttl ({self.ttl:.0f}s)"
+        if len(p_ids) != len(d_ids) or not d_ids:
+            return (f"block count mismatch: D registered {len(d_ids)} from block {first}, "
+                    f"P holds {len(staged.blocks.block_ids)}")
+        notif = wire.encode_completion(reg.request_id, self.tp_size)
+        handle = self.t.write(agent, p_ids, d_ids, notif)
+        nbytes = len(d_ids) * self.bytes_per_block
+        self.inflight[p_id] = Inflight(p_id, pending, handle, now, nbytes)
+        return None
 
     def _check_inflight(self, now: float) -> None:
         for p_id, w in list(self.inflight.items()):
@@ -328,13 +347,17 @@ class Sender:
             self.done.add(p_id)
 
     def _tombstone(self, transfer_id: str | None, request_id: str) -> None:
-        expiry = self.clock() + self.ttl
-        self.tombstones[transfer_id or wire.base_request_id(request_id)] = expiry
+        self.tombstones[_tomb_key(transfer_id, request_id)] = self.clock() + self.ttl
 
     def _fail(self, pending: PendingReg, reason: str) -> None:
         self.stats.add("kv_push_fail_sent_total")
         reg = pending.reg
-        self._send(pending.addr, wire.encode_push_fail(reg.request_id, reg.transfer_id, reason))
+        try:
+            msg = wire.encode_push_fail(reg.request_id, reg.transfer_id, reason)
+        except ValueError as e:  # cannot happen for a decoded registration; D's watchdog holds
+            logger.error("PUSH_FAIL for %s not encodable: %s", reg.request_id, e)
+            return
+        self._send(pending.addr, msg)
 
     def _send(self, addr: tuple[str, int], msg: bytes) -> None:
         self.outbox.append((addr, msg))
@@ -365,3 +388,27 @@ class Sender:
         return {"p_staged": len(self.staged), "p_regs": len(self.regs),
                 "p_inflight": len(self.inflight), "p_ready": len(self.ready),
                 "p_outbox": len(self.outbox)}
+
+
+def _rank(fb: FinishedBlocks, reg: Any) -> int | None:
+    """Whether P request `fb` and registration `reg` name the same transfer: 0 by transfer id,
+    1 by exact request id, 2 by base request id (lower is better); None if they do not. A
+    transfer id on either side admits only an equal transfer id."""
+    if fb.transfer_id or reg.transfer_id:
+        return 0 if fb.transfer_id == reg.transfer_id else None
+    if fb.request_id == reg.request_id:
+        return 1
+    if wire.base_request_id(fb.request_id) == wire.base_request_id(reg.request_id):
+        return 2
+    return None
+
+
+def _digest_ok(fb: FinishedBlocks, reg: Any) -> bool:
+    """Registration and P's prompt are the same tokens (an empty digest matches nothing)."""
+    return bool(fb.prompt_digest) and fb.prompt_digest == reg.prompt_digest
+
+
+def _tomb_key(transfer_id: str | None, request_id: str) -> str:
+    """Tombstones of the two match kinds live apart: a request id never refuses a transfer
+    that has a transfer id, nor the reverse."""
+    return f"t:{transfer_id}" if transfer_id else f"r:{wire.base_request_id(request_id)}"

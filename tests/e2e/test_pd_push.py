@@ -98,14 +98,13 @@ def test_kv_landed_on_d_equals_what_p_computed(pd, reference):
 
 def _legs(pd, prompt: list[int], tid: str | None, rid: str, max_tokens: int = MAX_TOKENS):
     info = httpx.get(f"{pd.p.url}/kv_transfer/info", timeout=5).json()
-    p_params = {"do_remote_decode": True}
-    if tid:
-        p_params["transfer_id"] = tid
+    # Without tid: vLLM's push protocol, no transfer_id on either leg; P pairs by base id.
+    with_tid = {"transfer_id": tid} if tid else {}
     p_leg = {"model": "m", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-             "kv_transfer_params": p_params}
+             "kv_transfer_params": {"do_remote_decode": True, **with_tid}}
     d_leg = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
              "kv_transfer_params": {
-                 "do_remote_prefill": True, "transfer_id": tid or f"d-only-{rid}",
+                 "do_remote_prefill": True, **with_tid,
                  "remote_engine_id": info["engine_id"], "remote_host": info["kv_host"],
                  "remote_port": info["kv_port"], "tp_size": info["tp_size"]}}
     headers = {"X-Request-Id": rid}

@@ -75,17 +75,19 @@ def prompts(n: int, seed: int, lo: int = 20, hi: int = 120) -> list[list[int]]:
     return [[rng.randrange(4, 2000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def legs(dep: Deployment, prompt: list[int], tid: str, *, max_tokens: int = MAX_TOKENS,
-         remote_port: int | None = None, stream: bool = False
+def legs(dep: Deployment, prompt: list[int], tid: str | None, *,
+         max_tokens: int = MAX_TOKENS, remote_port: int | None = None, stream: bool = False
          ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The proxy's two push legs for one prompt (P leg, D leg), built by hand."""
+    """The proxy's two push legs for one prompt (P leg, D leg), built by hand. `tid` None:
+    vLLM's push protocol, no transfer_id (the legs must then share one X-Request-Id)."""
     info = httpx.get(f"{dep.p.url}/kv_transfer/info", timeout=5).json()
+    with_tid = {} if tid is None else {"transfer_id": tid}
     p_leg = {"model": "m", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-             "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}
+             "kv_transfer_params": {"do_remote_decode": True, **with_tid}}
     d_leg = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
              "stream": stream,
              "kv_transfer_params": {
-                 "do_remote_prefill": True, "transfer_id": tid,
+                 "do_remote_prefill": True, **with_tid,
                  "remote_engine_id": info["engine_id"], "remote_host": info["kv_host"],
                  "remote_port": remote_port or info["kv_port"], "tp_size": info["tp_size"]}}
     return p_leg, d_leg

@@ -68,14 +68,20 @@ def _check_no_corruption(dep, reference, seed: int) -> None:
     assert asyncio.run(run()) == reference(ps) * 2
 
 
-def test_abort_after_registration_quarantines_until_the_cancel_ack(dep, reference):
-    prompt = prompts(1, seed=301, lo=90, hi=90)[0]
-    p_leg, d_leg = legs(dep, prompt, "tid-abort-early", stream=True)
+@pytest.mark.parametrize("tid", ["tid-abort-early", None], ids=["transfer_id", "no_id"])
+def test_abort_after_registration_quarantines_until_the_cancel_ack(dep, reference, tid):
+    """Without a transfer_id (vLLM's push protocol) cancel, ACK and P's refusal to write
+    work by request id."""
+    prompt = prompts(1, seed=301 if tid else 303, lo=90, hi=90)[0]
+    p_leg, d_leg = legs(dep, prompt, tid, stream=True)
+    rid = "abort-early" if tid else "abort-early-no-id"
+    # P counts a WRITE when its (injected) slow completion shows up; let earlier ones finish.
+    wait_for(lambda: table(dep.p, "p_inflight") == 0, 10, "earlier WRITEs to finish")
     received = metric(dep.p, "pdserve:kv_push_registrations_received_total")
     writes = metric(dep.p, "pdserve:kv_push_writes_total")
 
     async def run() -> float:
-        task = asyncio.create_task(_stream(dep.d.url, d_leg, "abort-early"))
+        task = asyncio.create_task(_stream(dep.d.url, d_leg, rid))
         await asyncio.to_thread(
             wait_for, lambda: metric(dep.p, "pdserve:kv_push_registrations_received_total")
             > received, 20, "P to receive the registration")
@@ -88,7 +94,7 @@ def test_abort_after_registration_quarantines_until_the_cancel_ack(dep, referenc
     held = asyncio.run(run())
     assert ACK_DELAY * 0.8 <= held < 2 * TTL, f"blocks held {held:.1f}s"
     # P's leg still comes; P must not write into blocks D has freed.
-    assert asyncio.run(post(dep.p.url, p_leg, "abort-early")).status_code == 200
+    assert asyncio.run(post(dep.p.url, p_leg, rid)).status_code == 200
     wait_for(lambda: table(dep.p, "p_staged") == 0, 10, "P to drop its blocks")
     assert metric(dep.p, "pdserve:kv_push_writes_total") == writes
     assert_no_leaks(dep.engines)

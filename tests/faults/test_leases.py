@@ -49,30 +49,34 @@ def test_blocks_of_a_transfer_d_never_claims_are_freed_at_lease_expiry(dep):
     assert_no_leaks(dep.engines)
 
 
-def test_heartbeats_keep_blocks_while_d_queues_longer_than_the_lease(dep, reference):
-    prompt = prompts(1, seed=2, lo=90, hi=90)[0]
+@pytest.mark.parametrize("tid", ["tid-queued", None], ids=["transfer_id", "no_id"])
+def test_heartbeats_keep_blocks_while_d_queues_longer_than_the_lease(dep, reference, tid):
+    """Without a transfer_id (vLLM's push protocol) D names the transfer by its base
+    request id in the heartbeat."""
+    prompt = prompts(1, seed=2 if tid else 4, lo=90, hi=90)[0]
+    rid = "queued" if tid else "queued-no-id"
     # The hog is a D leg whose KV arrives only when the test sends its P leg; meanwhile it
     # holds all but 4 of D's blocks, so the D leg under test (6 blocks) cannot be admitted
     # and queues until the test lets the hog finish: no bet on how fast the CPU decodes.
-    hog = prompts(1, seed=3, lo=HOG_TOKENS, hi=HOG_TOKENS)[0]
-    p_leg, d_leg = legs(dep, prompt, "tid-queued")
-    hog_p_leg, hog_d_leg = legs(dep, hog, "tid-hog")
+    hog = prompts(1, seed=3 if tid else 5, lo=HOG_TOKENS, hi=HOG_TOKENS)[0]
+    p_leg, d_leg = legs(dep, prompt, tid)
+    hog_p_leg, hog_d_leg = legs(dep, hog, f"tid-hog-{rid}")
     expired = metric(dep.p, EXPIRED)
     writes = metric(dep.p, "pdserve:kv_push_writes_total")
     remote = metric(dep.d, "pdserve:kv_remote_prefill_tokens_total")
 
     async def run() -> tuple[str, str, float]:
-        hog_task = asyncio.create_task(post(dep.d.url, hog_d_leg, "hog"))
+        hog_task = asyncio.create_task(post(dep.d.url, hog_d_leg, f"hog-{rid}"))
         await asyncio.to_thread(wait, lambda: table(dep.d, "d_waiting") == 1, 20,
                                 "the hog to hold D's blocks")
-        d_task = asyncio.create_task(post(dep.d.url, d_leg, "queued"))
+        d_task = asyncio.create_task(post(dep.d.url, d_leg, rid))
         await asyncio.to_thread(wait, lambda: table(dep.d, "d_queued") == 1, 20,
                                 "the D leg to queue behind the hog")
-        assert (await post(dep.p.url, p_leg, "queued")).status_code == 200
+        assert (await post(dep.p.url, p_leg, rid)).status_code == 200
         p_done = time.monotonic()
         await asyncio.sleep(3 * LEASE)  # the time under test: three leases pass
         assert not d_task.done() and table(dep.d, "d_queued") == 1  # still queued
-        assert (await post(dep.p.url, hog_p_leg, "hog")).status_code == 200  # let it go
+        assert (await post(dep.p.url, hog_p_leg, f"hog-{rid}")).status_code == 200  # let it go
         out, hog_out = await d_task, await hog_task
         return text_of(out), text_of(hog_out), time.monotonic() - p_done
 

@@ -7,6 +7,10 @@ Each test pins one rule the process-level fault tests rely on:
 - D frees blocks quarantined for a P whose process is gone at once, and takes a P that
   answers again back;
 - P refuses registrations beyond its caps with PUSH_FAIL.
+- P pairs by transfer id when both sides have one (never by request ids then), by request
+  id only when neither has one, and writes only into a registration of the same prompt
+  (digest); any error on its send path is a PUSH_FAIL that frees its blocks;
+- D heartbeats a transfer without a transfer id by its base request id.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import threading
 
 import msgspec
+import pytest
 
 from kvconnector import wire
 from kvconnector.push.meta import FinishedBlocks, PushMeta, Registration
@@ -21,6 +26,7 @@ from kvconnector.push.peers import ALIVE, GONE, SILENT, PeerState
 from kvconnector.push.receiver import Receiver
 from kvconnector.push.sender import Sender, SenderStats
 from kvconnector.push.writer import PushWriter
+from kvconnector.security import prompt_digest
 
 TTL, LEASE = 10.0, 5.0
 D_AGENT, D_ADDR = "D0-tp0", ("127.0.0.1", 7002)
@@ -112,12 +118,21 @@ def _p_writer(clock: Clock) -> tuple[PushWriter, FakeTransport, Sender]:
     return PushWriter(t, peers, sender, receiver, threading.Event(), clock), t, sender
 
 
-def _reg(rid: str, tid: str) -> bytes:
+PROMPT = list(range(20))
+DIGEST = prompt_digest(PROMPT)
+
+
+def _reg(rid: str, tid: str, digest: str = DIGEST, blocks: tuple[int, ...] = (7, 8)) -> bytes:
     return wire.encode_push_reg(wire.PushReg(
         request_id=rid, transfer_id=tid, decode_engine_id="D0", decode_host=D_ADDR[0],
-        decode_port=D_ADDR[1], decode_tp_size=1, local_block_ids=[[7, 8]],
+        decode_port=D_ADDR[1], decode_tp_size=1, local_block_ids=[list(blocks)],
         first_block_index=0, remote_engine_id="P0", remote_host="127.0.0.1",
-        remote_port=7001, remote_tp_size=1))
+        remote_port=7001, remote_tp_size=1, prompt_digest=digest))
+
+
+def _blocks(pid: str, tid: str | None, digest: str = DIGEST,
+            blocks: tuple[int, ...] = (3, 4)) -> PushMeta:
+    return PushMeta(finished_blocks=[FinishedBlocks(pid, tid, list(blocks), 20, digest)])
 
 
 def _thawed_p_writes(frozen_for: float) -> tuple[FakeTransport, PushWriter]:
@@ -127,7 +142,7 @@ def _thawed_p_writes(frozen_for: float) -> tuple[FakeTransport, PushWriter]:
     writer.step()
     clock.t += frozen_for
     t.inbox.append((D_AGENT, _reg("d-1", "t-1")))
-    writer.inbox.put(PushMeta(finished_blocks=[FinishedBlocks("p-1", "t-1", [3, 4], 20)]))
+    writer.inbox.put(_blocks("p-1", "t-1"))
     writer.step()
     return t, writer
 
@@ -234,7 +249,7 @@ def test_p_acks_a_cancel_for_a_registration_it_never_got_to_a_known_agent_only()
     assert t.sent == [(D_AGENT, wire.encode_push_cancel_ack("d-1", "t-1"))]
     # The tombstone makes the ACK true: a late registration is refused, never written.
     t.inbox.append((D_AGENT, _reg("d-1", "t-1")))
-    writer.inbox.put(PushMeta(finished_blocks=[FinishedBlocks("p-1", "t-1", [3, 4], 20)]))
+    writer.inbox.put(_blocks("p-1", "t-1"))
     writer.step()
     assert t.writes == []
     assert t.kinds()[-1] == "PUSH_FAIL"
@@ -244,10 +259,133 @@ def test_p_acks_a_cancel_that_crossed_a_completed_write():
     clock = Clock()
     writer, t, sender = _p_writer(clock)
     t.inbox.append((D_AGENT, _reg("d-1", "t-1")))
-    writer.inbox.put(PushMeta(finished_blocks=[FinishedBlocks("p-1", "t-1", [3, 4], 20)]))
+    writer.inbox.put(_blocks("p-1", "t-1"))
     writer.step()
     writer.step()
     assert len(t.writes) == 1 and sender.done == set() and not sender.inflight
     t.inbox.append((D_AGENT, wire.encode_push_cancel("d-1", "t-1")))  # completion was lost
     writer.step()
     assert t.sent[-1] == (D_AGENT, wire.encode_push_cancel_ack("d-1", "t-1"))
+
+
+# --- matching: transfer ids, request ids, prompt digests (issue 15) ----------------------------
+
+OTHER = prompt_digest(list(range(1, 21)))
+
+
+def _fails(t: FakeTransport) -> list[wire.PushFail]:
+    return [m for m in (wire.decode_notif(raw) for _, raw in t.sent)
+            if isinstance(m, wire.PushFail)]
+
+
+def test_transfer_ids_on_both_sides_never_fall_back_to_request_ids():
+    writer, t, _ = _p_writer(Clock())
+    writer.inbox.put(_blocks("same-0a0b0c0d", "t-1"))
+    t.inbox.append((D_AGENT, _reg("same-1a2b3c4d", "t-2")))  # same base id, other transfer
+    writer.step()
+    writer.step()
+    assert t.writes == [] and _fails(t) == []
+
+
+def test_a_transfer_id_on_one_side_only_matches_nothing():
+    writer, t, _ = _p_writer(Clock())
+    writer.inbox.put(_blocks("same-0a0b0c0d", None))
+    t.inbox.append((D_AGENT, _reg("same-0a0b0c0d", "t-2")))
+    writer.step()
+    writer.step()
+    assert t.writes == []
+
+
+def test_without_transfer_ids_the_base_request_id_matches():
+    writer, t, _ = _p_writer(Clock())
+    writer.inbox.put(_blocks("vllm-7-0a0b0c0d", None))
+    t.inbox.append((D_AGENT, _reg("vllm-7-1a2b3c4d", "")))
+    writer.step()
+    assert t.writes == [(D_AGENT, [3, 4], [7, 8])]
+
+
+def test_a_registration_for_another_prompt_gets_push_fail_and_spoils_the_transfer():
+    writer, t, sender = _p_writer(Clock())
+    writer.inbox.put(_blocks("p-1", "t-1"))
+    t.inbox.append((D_AGENT, _reg("d-1", "t-1", digest=OTHER)))
+    writer.step()
+    assert t.writes == []
+    (fail,) = _fails(t)
+    assert fail.request_id == "d-1" and "digest" in fail.reason
+    assert sender.stats.counters["kv_push_digest_mismatch_total"] == 1
+    assert writer.collect().finished_sending == {"p-1"}
+    t.inbox.append((D_AGENT, _reg("d-2", "t-1")))  # a replay, even with the right digest
+    writer.step()
+    assert t.writes == [] and len(_fails(t)) == 2
+
+
+def test_a_registration_without_a_digest_is_never_written():
+    writer, t, _ = _p_writer(Clock())
+    writer.inbox.put(_blocks("p-1", "t-1"))
+    t.inbox.append((D_AGENT, _reg("d-1", "t-1", digest="")))
+    writer.step()
+    assert t.writes == [] and len(_fails(t)) == 1
+
+
+def test_reused_request_ids_without_transfer_ids_pair_each_prompt_with_its_own_blocks():
+    writer, t, _ = _p_writer(Clock())
+    t.inbox += [(D_AGENT, _reg("same-1a2b3c4d", "", digest=DIGEST, blocks=(7, 8))),
+                (D_AGENT, _reg("same-2a2b3c4d", "", digest=OTHER, blocks=(9, 10)))]
+    writer.step()
+    writer.inbox.put(_blocks("same-0a0b0c0d", None, digest=OTHER, blocks=(3, 4)))
+    writer.inbox.put(_blocks("same-0e0f0a0b", None, digest=DIGEST, blocks=(5, 6)))
+    writer.step()
+    assert sorted(t.writes) == [(D_AGENT, [3, 4], [9, 10]), (D_AGENT, [5, 6], [7, 8])]
+    assert _fails(t) == []
+
+
+def test_a_heartbeat_by_base_request_id_extends_the_lease_of_a_transfer_without_id():
+    clock = Clock()
+    writer, t, sender = _p_writer(clock)
+    writer.inbox.put(_blocks("vllm-9-0a0b0c0d", None))
+    writer.step()
+    clock.t += LEASE - 1
+    t.inbox.append((D_AGENT, wire.encode_heartbeat(["vllm-9"])))
+    writer.step()
+    clock.t += 2  # past the first lease, inside the extended one
+    writer.step()
+    assert "vllm-9-0a0b0c0d" in sender.staged
+    clock.t += LEASE
+    writer.step()
+    assert not sender.staged
+
+
+@pytest.mark.parametrize("where", ["completion", "write"])
+def test_any_error_on_the_send_path_is_push_fail_and_frees_the_blocks(where, monkeypatch):
+    writer, t, sender = _p_writer(Clock())
+    rid = "d-1"
+    if where == "completion":
+        rid = "HB:x-1a2b3c4d"  # a completion for this id would read as a heartbeat
+    else:
+        def broken(*args: object) -> None:
+            raise RuntimeError("nixl said no")
+        monkeypatch.setattr(t, "write", broken)
+    writer.inbox.put(_blocks("p-1", "t-1"))
+    t.inbox.append((D_AGENT, _reg(rid, "t-1")))
+    writer.step()
+    assert [f.request_id for f in _fails(t)] == [rid]
+    assert writer.collect().finished_sending == {"p-1"}
+    assert not sender.staged and not sender.regs and not sender.inflight
+
+
+def test_d_heartbeats_a_transfer_without_id_by_its_base_id_and_skips_uncarriable_ids():
+    clock, t = Clock(), FakeTransport()
+    peers = FakePeers("P0-tp0")
+    r = Receiver(t, peers, clock, identity={"decode_engine_id": "D0", "decode_host": D_ADDR[0],
+                                             "decode_port": D_ADDR[1], "decode_tp_size": 1},
+                 ttl=TTL, hb_interval=1.0, grace=1.0,
+                 stats={"kv_push_registrations_sent_total": 0, "kv_recv_failed_total": 0})
+    r.on_registration(Registration("vllm-9-1a2b3c4d", "", [7, 8], 0, 20, "P0", "127.0.0.1",
+                                   7001, 1, DIGEST))
+    r.on_registration(Registration("a,b-2a2b3c4d", "", [9], 0, 20, "P0", "127.0.0.1",
+                                   7001, 1, DIGEST))
+    r.poll()
+    sent = [wire.decode_notif(m) for _, m in t.sent]
+    assert [m.prompt_digest for m in sent if isinstance(m, wire.PushReg)] == [DIGEST, DIGEST]
+    assert wire.Heartbeat(("vllm-9",)) in sent
+    assert peers.state.status == "ready"  # an id a heartbeat cannot carry is no probe failure

@@ -241,3 +241,34 @@ def test_in_process_async_engine_gives_the_same_tokens_and_aborts(llm, loop, con
 
     got, _ = asyncio.run(inproc())
     assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+
+
+def test_requests_sharing_a_caller_id_each_finish_and_abort_only_themselves(llm, loop):
+    """The caller's id is a label: a reused one is no error, and aborting one request by its
+    internal id leaves the other request with the same label running to its end."""
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    async def run():
+        short_a = final(llm, [5, 6, 7], GREEDY, "same")
+        short_b = final(llm, [9, 8, 7, 6], GREEDY, "same")
+        a, b = await asyncio.gather(short_a, short_b)
+        outs: dict[str, list] = {"victim": [], "survivor": []}
+
+        async def consume(name: str, internal: str) -> None:
+            async for out in llm.generate([3, 3, 3], long, "same", internal_request_id=internal):
+                outs[name].append(out)
+                if name == "victim" and len(outs[name]) == 1:
+                    llm.abort("same-0000000a")
+
+        await asyncio.gather(consume("victim", "same-0000000a"),
+                             consume("survivor", "same-0000000b"))
+        return a, b, outs
+
+    a, b, outs = loop.run_until_complete(run())
+    assert a.request_id == b.request_id == "same"
+    assert len(a.outputs[0].token_ids) == len(b.outputs[0].token_ids) == 6
+    assert outs["victim"][-1].outputs[0].finish_reason == "abort"
+    survivor = outs["survivor"][-1]
+    assert survivor.finished and survivor.outputs[0].finish_reason == "length"
+    assert len(survivor.outputs[0].token_ids) == 40  # cumulative outputs
+    loop.run_until_complete(wait_idle(llm))

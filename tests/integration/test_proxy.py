@@ -258,7 +258,9 @@ class Proxy:
                    for b in pool.backends if b.url == url)
 
     def metrics(self) -> str:
-        return self.client.get(self.url + "/metrics", timeout=5).text
+        key = self.state.config.api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return self.client.get(self.url + "/metrics", headers=headers, timeout=5).text
 
 
 class Cluster:
@@ -340,6 +342,8 @@ CHAT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "m
 def test_push_sends_both_legs_at_once_with_one_request_id_and_transfer_id(
     cluster: Cluster, chat: bool, stream: bool
 ) -> None:
+    """Both legs carry one id and one transfer_id the proxy made; the client's X-Request-Id
+    is only echoed back (issue 15: client ids never pair legs)."""
     p, d = cluster.fake("p"), cluster.fake("d")
     p.delay, d.delay = 0.4, 0.2  # sequential legs could not overlap
     proxy = cluster.proxy([p], [d])
@@ -354,7 +358,8 @@ def test_push_sends_both_legs_at_once_with_one_request_id_and_transfer_id(
     assert pleg.wait() == dleg.wait() == "completed"  # P drains after D has answered
     assert pleg.path == dleg.path == path
     assert dleg.started < pleg.finished and pleg.started < dleg.finished  # in flight together
-    assert pleg.headers["x-request-id"] == dleg.headers["x-request-id"] == "client-req-1"
+    assert pleg.headers["x-request-id"] == dleg.headers["x-request-id"]
+    assert len(pleg.headers["x-request-id"]) == 32 and "client-req-1" not in str(pleg.headers)
 
     pkv, dkv = pleg.body["kv_transfer_params"], dleg.body["kv_transfer_params"]
     assert pkv == {"do_remote_decode": True, "transfer_id": dkv["transfer_id"]}
@@ -375,14 +380,20 @@ def test_push_sends_both_legs_at_once_with_one_request_id_and_transfer_id(
     assert text == "tok0 tok1 tok2 tok3 "
 
 
-def test_push_makes_a_fresh_request_id_per_request(cluster: Cluster) -> None:
+def test_push_makes_fresh_ids_per_request_even_when_the_client_reuses_one(
+        cluster: Cluster) -> None:
     p, d = cluster.fake("p"), cluster.fake("d")
     proxy = cluster.proxy([p], [d])
-    ids = {post(proxy, BODY).headers["x-request-id"] for _ in range(3)}
-    assert len(ids) == 3
+    echoed = {post(proxy, BODY, headers={"X-Request-Id": "same-id"}).headers["x-request-id"]
+              for _ in range(3)}
+    assert echoed == {"same-id"}
+    labels = {post(proxy, BODY).headers["x-request-id"] for _ in range(2)}
+    assert len(labels) == 2  # no client id: a fresh label each
     transfer_ids = {leg.body["kv_transfer_params"]["transfer_id"] for leg in d.legs}
-    assert len(transfer_ids) == 3
-    assert {leg.headers["x-request-id"] for leg in p.legs} == ids
+    assert len(transfer_ids) == 5
+    engine_ids = {leg.headers["x-request-id"] for leg in p.legs}
+    assert engine_ids == {leg.headers["x-request-id"] for leg in d.legs}
+    assert len(engine_ids) == 5 and not engine_ids & (labels | echoed)
 
 
 def test_pull_mode_is_sequential_and_forwards_prefill_kv_params(cluster: Cluster) -> None:
@@ -678,6 +689,24 @@ def test_api_key_is_required_and_passed_to_backends(cluster: Cluster) -> None:
     assert p.legs[0].headers["authorization"] == d.legs[0].headers["authorization"] \
         == "Bearer sekret"
     assert '{route="/v1/completions",status="401"} 2.0' in proxy.metrics()
+
+
+@pytest.mark.parametrize("public_metrics", [False, True])
+def test_api_key_guards_every_route_but_health(cluster: Cluster, public_metrics: bool) -> None:
+    p, d = cluster.fake("p"), cluster.fake("d")
+    proxy = cluster.proxy([p], [d], api_key="sekret", public_metrics=public_metrics)
+    routes = [("POST", "/v1/completions", BODY), ("POST", "/v1/chat/completions", CHAT_BODY),
+              ("GET", "/v1/models", None), ("GET", "/metrics", None)]
+    key = {"Authorization": "Bearer sekret"}
+    for method, path, body in routes:
+        open_route = path == "/metrics" and public_metrics
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = proxy.client.request(method, proxy.url + path, json=body, headers=headers,
+                                     timeout=5)
+            assert r.status_code == (200 if open_route else 401), (path, headers, r.text)
+        r = proxy.client.request(method, proxy.url + path, json=body, headers=key, timeout=5)
+        assert r.status_code == 200, (path, r.text)
+    assert proxy.client.get(proxy.url + "/health", timeout=5).status_code == 200
 
 
 def test_bad_bodies_are_4xx_and_send_no_leg(cluster: Cluster) -> None:

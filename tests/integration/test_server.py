@@ -139,7 +139,8 @@ def test_chat_matches_offline_and_stream_agrees(server, client, offline_llm):
     full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
                                           temperature=0)
     # The server's own rendering of the conversation, generated offline, gives the same text.
-    tok = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=30).json()
+    tok = httpx.post(server.url + "/tokenize", json={"messages": messages}, headers=AUTH,
+                     timeout=30).json()
     ref = offline_llm.generate({"prompt_token_ids": tok["tokens"]}, _greedy(8), use_tqdm=False)
     assert full.choices[0].message.content == ref[0].outputs[0].text
     assert full.choices[0].message.role == "assistant"
@@ -289,6 +290,71 @@ def test_bad_chat_input_and_auth_and_size(server):
     assert r.status_code == 404 and "error" in r.json()
 
 
+GUARDED = [("GET", "/v1/models", None, 200),
+           ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1}, 200),
+           ("POST", "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}, 200),
+           ("GET", "/metrics", None, 200), ("GET", "/engine_stats", None, 200),
+           ("POST", "/tokenize", {"prompt": "x"}, 200), ("POST", "/detokenize",
+                                                          {"tokens": [5]}, 200),
+           ("GET", "/version", None, 200),
+           ("GET", "/kv_transfer/info", None, 404),  # this server has no kv config
+           ("GET", "/v1/nowhere", None, 404)]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "status"), GUARDED,
+                         ids=[f"{m} {p}" for m, p, _, _ in GUARDED])
+def test_api_key_guards_every_route_but_health(server, method, path, body, status):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.request(method, server.url + path, json=body, headers=headers, timeout=30)
+        assert r.status_code == 401, (path, headers, r.text)
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.request(method, server.url + path, json=body, headers=AUTH, timeout=30)
+    assert r.status_code == status, r.text
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+
+
+class _KeyedStub:
+    """An engine for the routes around generation (kv info, stats, debug)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.max_model_len = tokenizer, 64
+
+    async def check_health(self):
+        return None
+
+    async def get_stats(self):
+        return {"num_free_blocks": 4, "num_kv_blocks": 4}
+
+    async def debug_prompt_kv(self, ids):
+        return []
+
+
+@pytest.mark.parametrize("public_metrics", [False, True])
+def test_api_key_guards_kv_info_stats_and_debug_routes(tiny_model, monkeypatch, public_metrics):
+    from fastapi.testclient import TestClient
+
+    from engine.models.tokenizer import Tokenizer
+    from engine.server.app import ServerSettings, build_app
+
+    monkeypatch.setenv("PDSERVE_DEBUG_ROUTES", "1")
+    info = {"engine_id": "p0", "kv_host": "127.0.0.1", "kv_port": 1, "tp_size": 1,
+            "block_size": 16, "kv_role": "kv_producer", "kv_connector": "NixlPushConnector"}
+    settings = ServerSettings(api_key=API_KEY, kv_transfer_info=info,
+                              public_metrics=public_metrics)
+    app = build_app(_KeyedStub(Tokenizer.from_dir(tiny_model)), model_name=MODEL,
+                    settings=settings)
+    routes = [("GET", "/kv_transfer/info", None), ("GET", "/engine_stats", None),
+              ("POST", "/debug/prompt_kv", {"prompt_token_ids": [1]}), ("GET", "/metrics", None)]
+    with TestClient(app) as c:
+        for method, path, body in routes:
+            open_route = public_metrics and path == "/metrics"
+            r = c.request(method, path, json=body)
+            assert r.status_code == (200 if open_route else 401), (path, r.text)
+            assert c.request(method, path, json=body, headers=AUTH).status_code == 200, path
+        assert c.get("/health").status_code == 200
+
+
 def test_openai_client_sees_typed_errors(client):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="x", max_tokens=-5)
@@ -309,8 +375,8 @@ def test_models_tokenize_detokenize_version_kv_info(server, client):
     detok = _post(server, "/detokenize", body={"tokens": tok["tokens"]}).json()
     assert detok["prompt"] == "Hello world"
     assert _post(server, "/detokenize", body={"tokens": [10**8]}).status_code == 400
-    assert httpx.get(server.url + "/version", timeout=30).json()["version"]
-    r = httpx.get(server.url + "/kv_transfer/info", timeout=30)
+    assert httpx.get(server.url + "/version", headers=AUTH, timeout=30).json()["version"]
+    r = httpx.get(server.url + "/kv_transfer/info", headers=AUTH, timeout=30)
     assert r.status_code == 404 and "error" in r.json()
 
 
@@ -323,10 +389,10 @@ def _metric(text: str, name: str) -> float:
 
 
 def test_metrics_count_tokens_and_latencies(server, client):
-    before = httpx.get(server.url + "/metrics", timeout=30).text
+    before = httpx.get(server.url + "/metrics", headers=AUTH, timeout=30).text
     client.completions.create(model=MODEL, prompt="count me", max_tokens=5,
                               extra_body={"ignore_eos": True})
-    text = httpx.get(server.url + "/metrics", timeout=30).text
+    text = httpx.get(server.url + "/metrics", headers=AUTH, timeout=30).text
     gen = "pdserve:generation_tokens_total"
     assert _metric(text, gen) - _metric(before, gen) == 5
     assert _metric(text, "pdserve:prompt_tokens_total") > _metric(before,
@@ -344,7 +410,7 @@ def test_metrics_count_tokens_and_latencies(server, client):
 
 
 def _generated(server: ServerProcess) -> float:
-    return _metric(httpx.get(server.url + "/metrics", timeout=30).text,
+    return _metric(httpx.get(server.url + "/metrics", headers=AUTH, timeout=30).text,
                    "pdserve:generation_tokens_total")
 
 
@@ -389,7 +455,7 @@ def test_client_disconnect_aborts_the_request(server, client):
     assert _settled(server) - after_stream < max_tokens / 2
     # The next request's outputs carry a fresh scheduler snapshot: only it may be running.
     client.completions.create(model=MODEL, prompt="x", max_tokens=2)
-    text = httpx.get(server.url + "/metrics", timeout=30).text
+    text = httpx.get(server.url + "/metrics", headers=AUTH, timeout=30).text
     assert _metric(text, "pdserve:num_requests_running") == 0
     assert _metric(text, "pdserve:num_free_kv_blocks") == 512
 
@@ -457,7 +523,7 @@ def test_engine_death_fails_open_requests_fast(servers):
         assert s.first.wait(120) and s.status == 200 and s.events
     waiting = _Stream(server.url, longest, stream=False)  # a non-streaming one in flight too
     waiting.start()
-    wait_until(lambda: _metric(httpx.get(server.url + "/metrics", timeout=5).text,
+    wait_until(lambda: _metric(httpx.get(server.url + "/metrics", headers=AUTH, timeout=5).text,
                                "pdserve:num_requests_running") >= 4, 30,
                "the non-streaming request to start")
     core = _engine_core(server)

@@ -122,3 +122,15 @@ def test_external_id_is_recovered_from_internal_id(proc):
     assert external_request_id(req.request_id) == "cmpl-a-b"
     assert external_request_id("plain") == "plain"
     assert external_request_id("x-NOTHEX12") == "x-NOTHEX12"
+
+
+@pytest.mark.parametrize("external", ["HB:x", "PUSH_REG:", "a,b", "50%3A", "HB", "x:y,z%"])
+def test_internal_ids_never_hold_notification_separators_and_are_unique(proc, external):
+    from engine.frontend.input_processor import external_request_id
+
+    a, _ = proc.process(external, [1, 2], SamplingParams(max_tokens=1))
+    b, _ = proc.process(external, [1, 2], SamplingParams(max_tokens=1))
+    assert a.request_id != b.request_id
+    assert ":" not in a.request_id and "," not in a.request_id
+    assert a.request_id[:-9] == b.request_id[:-9]  # what P and D pair by without transfer id
+    assert external_request_id(a.request_id) == external

@@ -26,11 +26,13 @@ REG = PushReg(
     decode_host="10.0.0.2", decode_port=5601, decode_tp_size=1,
     local_block_ids=[[4, 5, 9, 10]], first_block_index=2, remote_engine_id="P0",
     remote_host="10.0.0.1", remote_port=5600, remote_tp_size=1,
+    prompt_digest="0123456789abcdef0123456789abcdef",
 )
+# DESIGN §3's fields plus prompt_digest (issue 15: P writes only into the same prompt)
 DESIGN_FIELDS = {
     "request_id", "transfer_id", "decode_engine_id", "decode_host", "decode_port",
     "decode_tp_size", "local_block_ids", "first_block_index", "remote_engine_id", "remote_host",
-    "remote_port", "remote_tp_size",
+    "remote_port", "remote_tp_size", "prompt_digest",
 }
 
 
@@ -71,6 +73,22 @@ def test_completion_request_id_may_contain_colons() -> None:
     raw = wire.encode_completion("chat:cmpl:42-0a0b0c0d", 4)
     assert raw == b"chat:cmpl:42-0a0b0c0d:4"
     assert decode_notif(raw) == Completion("chat:cmpl:42-0a0b0c0d", 4)
+
+
+def test_a_registration_without_a_digest_decodes_with_an_empty_one() -> None:
+    """A D that sends no digest gets PUSH_FAIL from P (empty matches nothing), not silence."""
+    data = _reg_map()
+    del data["prompt_digest"]
+    assert decode_notif(_push_reg_raw(data)).prompt_digest == ""
+    with pytest.raises(MalformedNotif):
+        decode_notif(_push_reg_raw(_reg_map(prompt_digest="f" * 65)))
+
+
+@pytest.mark.parametrize("rid,tagged", [("HB", True), ("HB:x", True), ("PUSH_REG:", True),
+                                        ("PUSH_CANCEL_ACK:1", True), ("HBx:1", False),
+                                        ("x:HB", False), ("cmpl-1", False)])
+def test_reads_as_tagged_names_ids_a_completion_could_not_carry(rid: str, tagged: bool) -> None:
+    assert wire.reads_as_tagged(rid) is tagged
 
 
 @pytest.mark.parametrize("bad_id", ["HB", "HB:x", "PUSH_REG:1", "PUSH_CANCEL_ACK", "", "x" * 2000])
@@ -139,8 +157,8 @@ def test_push_reg_with_wrong_fields_is_malformed(changes: dict) -> None:
         decode_notif(_push_reg_raw(_reg_map(**changes)))
 
 
-def test_push_reg_missing_any_field_is_malformed() -> None:
-    for name in DESIGN_FIELDS:
+def test_push_reg_missing_any_field_but_the_digest_is_malformed() -> None:
+    for name in DESIGN_FIELDS - {"prompt_digest"}:
         data = _reg_map()
         del data[name]
         with pytest.raises(MalformedNotif):
