@@ -31,11 +31,12 @@ class PeerState:
 
 
 class Peers:
-    def __init__(self, fetch: Callable[[str, int], Any], add_peer: Callable[[Any], str],
+    def __init__(self, fetch: Callable[[str, int], Any], add_peer: Callable[[Any, str], str],
                  wake: threading.Event, clock: Callable[[], float],
                  retry_after: float = 5.0) -> None:
         self._fetch = fetch  # (host, port) -> metadata, raises on failure (any thread)
-        self._add_peer = add_peer  # metadata -> agent name (writer thread only)
+        # (metadata, "host:port" it came from) -> agent name (writer thread only)
+        self._add_peer = add_peer
         self._wake = wake
         self._clock = clock
         self._retry_after = retry_after
@@ -73,7 +74,7 @@ class Peers:
             state = self._peers[addr]
             if exc is None:
                 try:
-                    state.agent_name = self._add_peer(meta)
+                    state.agent_name = self._add_peer(meta, f"{addr[0]}:{addr[1]}")
                     state.engine_id = getattr(meta, "engine_id", None)
                     state.status = "ready"
                     logger.info("handshake with %s:%d done (%s)", *addr, state.agent_name)

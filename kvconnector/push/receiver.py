@@ -5,6 +5,10 @@ released by the scheduler AND no WRITE from P can still land in them ("safe"): t
 completed, P said PUSH_FAIL, P acknowledged our PUSH_CANCEL, the registration never left
 D, or the quarantine deadline passed (P never posts for a registration older than its
 ttl, so after `2 * ttl + grace` since sending nothing can land).
+
+A completion, PUSH_FAIL or PUSH_CANCEL_ACK acts on a request only when it comes from the
+NIXL agent D's handshake loaded for that request's P address; from any other agent it is
+refused (counted in `refused`, logged, dropped).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class Receiver:
         self._next_hb = 0.0
         self._probe_failures: dict[Address, int] = {}
         self.probe_results: queue.SimpleQueue[tuple[Address, bool]] = queue.SimpleQueue()
+        self.refused = 0  # notifications from an agent other than the request's P
 
     # --- events from the scheduler ------------------------------------------------
     def on_queued(self, q: Queued) -> None:
@@ -86,7 +91,9 @@ class Receiver:
         self._settle(rid)
 
     # --- events from P ------------------------------------------------------------
-    def on_completion(self, rid: str) -> None:
+    def on_completion(self, rid: str, agent: str | None = None) -> None:
+        if not self._from_p(rid, agent, "completion"):
+            return
         if self.waiting.pop(rid, None) is not None and rid not in self.released:
             self.finished_recving.add(rid)
         elif self.quarantine.pop(rid, None) is not None:
@@ -97,7 +104,9 @@ class Receiver:
         self.safe.add(rid)
         self._settle(rid)
 
-    def on_push_fail(self, rid: str, reason: str) -> None:
+    def on_push_fail(self, rid: str, reason: str, agent: str | None = None) -> None:
+        if not self._from_p(rid, agent, "PUSH_FAIL"):
+            return
         known = self.waiting.pop(rid, None) or self.quarantine.pop(rid, None)
         if known is None:
             logger.warning("PUSH_FAIL for unknown request %s dropped", rid)
@@ -107,7 +116,9 @@ class Receiver:
         self.safe.add(rid)
         self._settle(rid)
 
-    def on_cancel_ack(self, rid: str) -> None:
+    def on_cancel_ack(self, rid: str, agent: str | None = None) -> None:
+        if not self._from_p(rid, agent, "PUSH_CANCEL_ACK"):
+            return
         if self.quarantine.pop(rid, None) is not None:
             self.safe.add(rid)
             self._settle(rid)
@@ -149,6 +160,21 @@ class Receiver:
         return min(times) if times else None
 
     # --- internals ----------------------------------------------------------------
+    def _from_p(self, rid: str, agent: str | None, what: str) -> bool:
+        """Whether `agent` is the P agent loaded for this request's P address (a request D
+        does not wait for is left to the caller's own 'unknown' handling)."""
+        w = self.waiting.get(rid)
+        addr = w.addr if w is not None else self.quarantine.get(rid, (None,))[0]
+        if agent is None or addr is None:
+            return True
+        expected = self.peers.known_agent(addr)
+        if agent == expected:
+            return True
+        self.refused += 1
+        logger.warning("refused %s for %s from agent %s: the request's P at %s:%d is agent %s",
+                       what, rid, agent, *addr, expected)
+        return False
+
     def _drain_probes(self) -> list[tuple[Address, bool]]:
         out = []
         while not self.probe_results.empty():

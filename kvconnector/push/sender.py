@@ -7,7 +7,12 @@ Guarantees:
   completed or failed, or at lease expiry (HB from D extends the lease);
 - no WRITE is ever posted for a registration older than `ttl` (measured on P), nor for
   one D cancelled; a cancel is acknowledged only once no WRITE for it can still land;
-- whenever P will not write a registration it knows of, it tells D (PUSH_FAIL).
+- whenever P will not write a registration it knows of, it tells D (PUSH_FAIL);
+- a registration belongs to the NIXL agent that sent it: P WRITEs for it, and answers it,
+  only to that agent, and only once the reverse handshake with its decode_host:decode_port
+  loaded that same agent; HB and PUSH_CANCEL act only on transfers of the agent that sends
+  them. Anything else is refused: counted in `refused`, logged, dropped (never a PUSH_FAIL,
+  which would reach the real owner of the request id).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class Staged:
 class PendingReg:
     reg: Any  # wire.PushReg
     received_at: float
+    agent: str | None = None  # the NIXL agent it came from (None: not checked)
 
     @property
     def addr(self) -> tuple[str, int]:
@@ -81,8 +87,10 @@ class Sender:
         self.ready: list[tuple[str, str]] = []  # (P id, D id) matched, waiting for D's peer
         self.inflight: dict[str, Inflight] = {}  # P request id -> WRITE
         self.tombstones: dict[str, float] = {}  # transfer/base id P gave up on -> expiry
-        self.outbox: list[tuple[tuple[str, int], bytes]] = []  # notifs waiting for a peer
+        # notifs waiting for a peer: (D address, message, agent it must serve or None)
+        self.outbox: list[tuple[tuple[str, int], bytes, str | None]] = []
         self.done: set[str] = set()  # P ids whose blocks may be freed
+        self.refused = 0  # notifications refused: not from the agent the transfer belongs to
 
     # --- events -------------------------------------------------------------------
     def on_finished_blocks(self, fb: FinishedBlocks) -> None:
@@ -100,12 +108,19 @@ class Sender:
         else:
             self._tombstone(transfer_id, request_id)
 
-    def on_registration(self, reg: Any, received_at: float | None = None) -> None:
+    def on_registration(self, reg: Any, received_at: float | None = None,
+                        agent: str | None = None) -> None:
         """`received_at`: the earliest time the registration may have arrived (the writer
-        passes its previous notification drain); the ttl counts from there."""
+        passes its previous notification drain); the ttl counts from there. `agent`: the
+        NIXL agent that sent it, which the registration then belongs to."""
         self.stats.add("kv_push_registrations_received_total")
-        pending = PendingReg(reg, self.clock() if received_at is None else received_at)
-        self.peers.get(pending.addr)  # start the reverse handshake early
+        pending = PendingReg(reg, self.clock() if received_at is None else received_at, agent)
+        peer = self.peers.get(pending.addr)  # start the reverse handshake early
+        held = self.regs.get(reg.request_id)
+        if held is not None and not self._owner(held, agent, "PUSH_REG"):
+            return
+        if peer.status == "ready" and not self._owner(pending, peer.agent_name, "PUSH_REG"):
+            return
         for key in (reg.transfer_id, wire.base_request_id(reg.request_id)):
             if key and key in self.tombstones:
                 self._fail(pending, "prefill request already ended on P (aborted or expired)")
@@ -115,8 +130,15 @@ class Sender:
         if pid is not None:
             self._match(pid, reg.request_id)
 
-    def on_heartbeat(self, transfer_ids: list[str]) -> None:
+    def on_heartbeat(self, transfer_ids: list[str], agent: str | None = None) -> None:
+        """Extend the leases of these transfers; one registered by another agent is refused
+        (one not registered yet is not: D heartbeats while it queues, before its PUSH_REG)."""
         wanted = set(transfer_ids)
+        owners = {p.reg.transfer_id: p for p in self.regs.values()}
+        owners.update((w.reg.reg.transfer_id, w.reg) for w in self.inflight.values())
+        for tid in sorted(wanted & owners.keys()):
+            if not self._owner(owners[tid], agent, "HB"):
+                wanted.discard(tid)
         deadline = self.clock() + self.lease
         for staged in self.staged.values():
             if staged.blocks.transfer_id in wanted:
@@ -131,8 +153,12 @@ class Sender:
         for 2 * ttl (e.g. after a lost completion)."""
         for w in self.inflight.values():
             if w.reg.reg.request_id == d_request_id:
-                w.ack_cancel = True  # acknowledged once the WRITE is over
+                if self._owner(w.reg, agent, "PUSH_CANCEL"):
+                    w.ack_cancel = True  # acknowledged once the WRITE is over
                 return
+        held = self.regs.get(d_request_id)
+        if held is not None and not self._owner(held, agent, "PUSH_CANCEL"):
+            return
         pending = self.regs.pop(d_request_id, None)
         self.ready = [(p, d) for p, d in self.ready if d != d_request_id]
         for staged in self.staged.values():
@@ -141,7 +167,7 @@ class Sender:
         self._tombstone(transfer_id, d_request_id)
         ack = wire.encode_push_cancel_ack(d_request_id, transfer_id)
         if pending is not None:
-            self._send(pending.addr, ack)
+            self._send(pending.addr, ack, pending.agent)
         elif agent is not None and agent in self.t.peers():
             try:
                 self.t.send_notif(agent, ack)
@@ -164,6 +190,17 @@ class Sender:
         return bool(self.staged or self.inflight or self.outbox)
 
     # --- internals ----------------------------------------------------------------
+    def _owner(self, pending: PendingReg, agent: str | None, what: str) -> bool:
+        """Whether `agent` may act on this registration; counts and logs a refusal."""
+        if pending.agent is None or agent is None or agent == pending.agent:
+            return True
+        self.refused += 1
+        reg = pending.reg
+        logger.warning("refused %s for D request %s (transfer %s) from agent %s: it belongs to "
+                       "agent %s (registered from %s:%d)", what, reg.request_id,
+                       reg.transfer_id, agent, pending.agent, *pending.addr)
+        return False
+
     def _same(self, fb: FinishedBlocks, reg: Any) -> bool:
         if fb.transfer_id and reg.transfer_id:
             return fb.transfer_id == reg.transfer_id
@@ -213,6 +250,13 @@ class Sender:
             peer = self.peers.get(pending.addr)
             if peer.status == "pending":
                 waiting.append((p_id, d_id))
+            elif not self._owner(pending, peer.agent_name, "WRITE for PUSH_REG"):
+                # The agent D's address serves is not the one that registered: never write.
+                del self.regs[d_id]
+                other = self._find_reg(staged.blocks)  # the rightful registration, if held
+                staged.matched = other is not None
+                if other is not None:
+                    waiting.append((p_id, other))
             elif peer.status == "failed":
                 # D is unreachable, so it cannot be told either: its watchdog decides.
                 del self.regs[d_id]
@@ -265,7 +309,8 @@ class Sender:
                 self._fail(w.reg, "WRITE failed in transfer")
             if w.ack_cancel:
                 self._send(w.reg.addr, wire.encode_push_cancel_ack(reg.request_id,
-                                                                   reg.transfer_id))
+                                                                   reg.transfer_id),
+                           w.reg.agent)
             self._release(p_id, failed=state != "DONE")
 
     def _expire(self, now: float) -> None:
@@ -295,18 +340,26 @@ class Sender:
     def _fail(self, pending: PendingReg, reason: str) -> None:
         self.stats.add("kv_push_fail_sent_total")
         reg = pending.reg
-        self._send(pending.addr, wire.encode_push_fail(reg.request_id, reg.transfer_id, reason))
+        self._send(pending.addr, wire.encode_push_fail(reg.request_id, reg.transfer_id, reason),
+                   pending.agent)
 
-    def _send(self, addr: tuple[str, int], msg: bytes) -> None:
-        self.outbox.append((addr, msg))
+    def _send(self, addr: tuple[str, int], msg: bytes, agent: str | None = None) -> None:
+        """Queue `msg` for D at `addr`; with `agent`, only if `addr` serves that agent."""
+        self.outbox.append((addr, msg, agent))
         self._flush_outbox()
 
     def _flush_outbox(self) -> None:
         keep = []
-        for addr, msg in self.outbox:
+        for addr, msg, agent in self.outbox:
             peer = self.peers.get(addr)
             if peer.status == "pending":
-                keep.append((addr, msg))
+                keep.append((addr, msg, agent))
+                continue
+            if peer.status == "ready" and agent is not None and peer.agent_name != agent:
+                self.refused += 1
+                logger.warning("%s to %s:%d dropped: that address serves agent %s, the "
+                               "registration came from %s", wire.notif_kind(msg), *addr,
+                               peer.agent_name, agent)
                 continue
             if peer.status == "ready":
                 try:
