@@ -246,7 +246,7 @@ class SideChannelServer:
     def _refuse(self, peer: str, why: str) -> ErrorReply:
         self.refused_count += 1
         logger.warning("KV side channel %s: refused %s: %s", self.address, peer, why)
-        return ErrorReply(f"refused: {why}", code="refused")
+        return ErrorReply(why, code="refused")
 
 
 def fetch_peer_metadata(host: str, port: int, expected_compat_hash: str | None,

@@ -11,9 +11,21 @@ P or a D with a real NIXL agent (to learn the ids a real engine keeps to itself)
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
-from fault_kit import cluster, kv_stat, legs, plain, post, prompts, table, text_of, wait_for
+from fault_kit import (
+    LOG_DIR,
+    cluster,
+    kv_stat,
+    legs,
+    plain,
+    post,
+    prompts,
+    table,
+    text_of,
+    wait_for,
+)
 from nixl_fakes import FakeEngine
 from pd_harness import assert_no_leaks, metric
 
@@ -197,6 +209,12 @@ def test_an_impostor_under_ds_agent_name_does_not_replace_the_real_d(
     assert metric(dep.d, "pdserve:kv_remote_prefill_tokens_total") > tokens
     assert impostor.untouched()
     assert_no_leaks(dep.engines, timeout=3 * TTL)
+
+
+def test_without_a_secret_each_engine_starts_and_warns_once(dep):
+    for engine in ("P0", "D0"):
+        with open(os.path.join(LOG_DIR, f"spoof-{engine}.log"), errors="replace") as f:
+            assert f.read().count("NO KV SECRET CONFIGURED") == 1
 
 
 def real_block_size(dep) -> int:
