@@ -122,7 +122,9 @@ class SideChannelServer:
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"pdserve-kv-side-channel-{port}")
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(Request)
+        # GET_META alone first: its tag is optional there, as it always was for old clients.
+        self._decoder = msgspec.msgpack.Decoder(GetMeta)
+        self._hello_decoder = msgspec.msgpack.Decoder(Hello)
 
     @property
     def address(self) -> str:
@@ -194,7 +196,7 @@ class SideChannelServer:
             return
         peer = msg[-1].get("Peer-Address") or "?"
         try:
-            request = self._decoder.decode(body)
+            request = self._decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             self.malformed_count += 1
             logger.warning("KV side channel %s: malformed request from %s (%s)",
@@ -206,6 +208,15 @@ class SideChannelServer:
             sock.send_multipart([*envelope, self._encoder.encode(reply)], zmq.NOBLOCK)
         except zmq.ZMQError as e:  # the peer went away; nothing to do
             logger.warning("KV side channel %s: reply not sent (%s)", self.address, e)
+
+    def _decode(self, body: bytes) -> Request:
+        try:
+            return self._decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            try:
+                return self._hello_decoder.decode(body)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                raise e from None
 
     def _answer(self, request: Hello | GetMeta, peer: str) -> Reply:
         sec = self._security
