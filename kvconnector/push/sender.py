@@ -196,9 +196,9 @@ class Sender:
             return True
         self.refused += 1
         reg = pending.reg
-        logger.warning("refused %s for D request %s (transfer %s) from agent %s: it belongs to "
-                       "agent %s (registered from %s:%d)", what, reg.request_id,
-                       reg.transfer_id, agent, pending.agent, *pending.addr)
+        logger.warning("refused %s for D request %s (transfer %s): agent %s, but the "
+                       "registration belongs to agent %s (D address %s:%d)", what,
+                       reg.request_id, reg.transfer_id, agent, pending.agent, *pending.addr)
         return False
 
     def _same(self, fb: FinishedBlocks, reg: Any) -> bool:
@@ -250,7 +250,7 @@ class Sender:
             peer = self.peers.get(pending.addr)
             if peer.status == "pending":
                 waiting.append((p_id, d_id))
-            elif not self._owner(pending, peer.agent_name, "WRITE for PUSH_REG"):
+            elif not self._owner(pending, peer.agent_name, "WRITE to the address's agent"):
                 # The agent D's address serves is not the one that registered: never write.
                 del self.regs[d_id]
                 other = self._find_reg(staged.blocks)  # the rightful registration, if held
