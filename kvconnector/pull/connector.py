@@ -112,6 +112,8 @@ class PullWorker(KVConnectorWorker):
         stats = dict(self.stats)
         stats["kv_malformed_notifs_total"] = self.thread.malformed
         stats["kv_handshake_refused_total"] = self.refused_handshakes.count
+        if self.transport is not None:
+            stats["kv_refused_peers_total"] = self.transport.refused_peers
         if self.side_channel is not None:
             stats["kv_malformed_side_channel_total"] = self.side_channel.malformed_count
             stats["kv_side_channel_refused_total"] = self.side_channel.refused_count

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import zmq
 from fault_kit import LOG_DIR, cluster, kv_stat, legs, post, prompts, text_of
-from pd_harness import assert_no_leaks, engine_stats
+from pd_harness import assert_no_leaks, engine_stats, metric
 
 from kvconnector.handshake import (
     ErrorReply,
@@ -99,6 +99,7 @@ def test_a_stranger_without_the_secret_gets_no_metadata(dep, engine):
     assert none.value.cause == wrong.value.cause == "refused"
     assert isinstance(reply, ErrorReply) and reply.code == "refused"
     assert kv_stat(server, "kv_side_channel_refused_total") == refused + 3
+    assert metric(server, "pdserve:kv_side_channel_refused_total") == refused + 3
     # The same side channel still serves an engine that proves the secret.
     meta = fetch_peer_metadata("127.0.0.1", port, None, 3.0,
                                security=KVSecurity(SECRET.encode()))
@@ -129,3 +130,25 @@ def test_the_secret_appears_in_no_log_and_no_endpoint(dep):
     for server in dep.engines:
         assert SECRET not in str(engine_stats(server))
         assert SECRET not in httpx.get(f"{server.url}/kv_transfer/info", timeout=5).text
+
+
+def test_pull_engines_sharing_a_secret_read_kv_and_refuse_strangers(tiny_model, reference):
+    from pd_harness import deployment
+
+    with deployment(tiny_model, "pull", num_blocks=256, extra={"kv_secret": SECRET}) as pull:
+        reads = kv_stat(pull.d, "kv_pull_reads_total")
+        ps = prompts(2, seed=803)
+
+        async def run() -> list[str]:
+            return [text_of(r) for r in await asyncio.gather(
+                *(post(pull.proxy.url, {"model": "m", "prompt": p, "max_tokens": 8,
+                                        "temperature": 0.0}, f"pull-secret-{i}")
+                  for i, p in enumerate(ps)))]
+
+        assert asyncio.run(run()) == reference(ps)
+        assert kv_stat(pull.d, "kv_pull_reads_total") == reads + 2  # D read P's blocks
+        with pytest.raises(HandshakeError) as e:
+            fetch_peer_metadata("127.0.0.1", pull.kv_ports["P0"], None, 3.0)
+        assert e.value.cause == "refused"
+        assert kv_stat(pull.p, "kv_side_channel_refused_total") == 1
+        assert_no_leaks(pull.engines)
