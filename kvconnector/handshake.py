@@ -2,109 +2,98 @@
 
 Each KV-transfer rank runs one :class:`SideChannelServer` (a ZeroMQ ROUTER bound to an explicit
 ``host:port``, served by one named daemon thread). A peer asks it with
-:func:`fetch_peer_metadata`, which sends a typed ``GET_META`` request and receives this rank's
-:class:`AgentMetadata` — msgspec msgpack both ways, no pickle.
+:func:`fetch_peer_metadata` and receives this rank's :class:`AgentMetadata` — msgspec msgpack
+both ways, typed messages, strict decoders, no pickle.
+
+Protocol. Without a KV secret (vLLM-compatible; anyone who reaches the port gets the blob)::
+
+    C -> S  GET_META {tp_rank}
+    S -> C  META {meta}
+
+With a KV secret (:class:`~kvconnector.security.KVSecurity`; same secret on every engine), an
+HMAC challenge–response in which each side proves it holds the secret (proofs in
+:mod:`kvconnector.handshake_auth`)::
+
+    C -> S  HELLO {client_nonce}                       32 random bytes
+    S -> C  CHALLENGE {server_nonce}                   32 random bytes, single use, 10 s
+    C -> S  GET_META {tp_rank, client_nonce, server_nonce,
+                      proof = mac("GET_META", server_nonce, client_nonce, tp_rank)}
+    S -> C  SIGNED_META {meta = msgpack(AgentMetadata),
+                         proof = mac("META", client_nonce, server_nonce, meta)}
+
+The client checks the server's proof before it decodes the metadata, so a side channel that
+does not know the secret cannot hand out an agent blob (a fake D named in a PUSH_REG cannot
+make P load an attacker's agent). A GET_META without a valid proof, with an unknown, reused,
+expired or foreign nonce, or from an address outside ``kv_peer_allowlist`` is answered with
+``ERROR {code: "refused"}`` and counted in ``refused_count``. A client with a secret refuses a
+peer without one (``ERROR {code: "no_secret"}`` or an unsigned META) and a client checks the
+allowlist before it connects.
 
 Invariants:
 - The server thread never dies of a bad message: anything that does not decode as a request is
   counted in ``malformed_count`` and answered with an :class:`ErrorReply` (or dropped when the
-  ZeroMQ envelope itself is unusable); the server keeps answering afterwards.
+  ZeroMQ envelope itself is unusable); the server keeps answering afterwards. Requests are
+  capped at 4 KiB, replies the client accepts at 1 MiB (an agent blob is well under 10 KB).
 - :func:`fetch_peer_metadata` either returns metadata whose ``compat_hash`` equals the expected
   one or raises :class:`HandshakeError` naming the peer ``host:port`` and the cause
-  (unreachable, timeout, error reply, bad reply, incompatible compat hash), within about
-  ``timeout_s``.
+  (unreachable, timeout, not allowed, refused, bad proof, error reply, bad reply, incompatible
+  compat hash), within about ``timeout_s``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import ipaddress
 import logging
-import socket
 import threading
-import time
 from collections.abc import Callable
-from typing import Annotated
 
 import msgspec
 import zmq
 
+from kvconnector.handshake_auth import NonceBook, check_client_proof, server_proof
+from kvconnector.handshake_client import (
+    MAX_REPLY_BYTES,
+    RefusedHandshakes,
+    fetch_peer_metadata,
+    zmq_host,
+)
+from kvconnector.handshake_msgs import (
+    AgentMetadata,
+    Challenge,
+    ErrorReply,
+    GetMeta,
+    HandshakeError,
+    Hello,
+    MetaReply,
+    Reply,
+    Request,
+    SignedMetaReply,
+    compat_hash,
+)
+from kvconnector.security import KVSecurity
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "MAX_REPLY_BYTES",
     "AgentMetadata",
+    "Challenge",
     "ErrorReply",
     "GetMeta",
     "HandshakeError",
+    "Hello",
     "MetaReply",
+    "RefusedHandshakes",
+    "Reply",
+    "Request",
     "SideChannelServer",
+    "SignedMetaReply",
     "compat_hash",
     "fetch_peer_metadata",
 ]
 
-_NonNeg = Annotated[int, msgspec.Meta(ge=0)]
-_Pos = Annotated[int, msgspec.Meta(ge=1)]
 _MAX_REQUEST_BYTES = 4096
-
-
-class AgentMetadata(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """What a peer needs to transfer to/from this rank's KV cache.
-
-    The cache is one region starting at ``base_addr``: block ``b`` occupies
-    ``[base_addr + b * bytes_per_block, + bytes_per_block)`` on every layer and for K and V.
-    """
-
-    agent_name: str
-    agent_blob: bytes  # nixl_agent.get_agent_metadata()
-    base_addr: _NonNeg
-    num_blocks: _Pos
-    bytes_per_block: _Pos
-    block_size: _NonNeg  # tokens per block
-    tp_rank: _NonNeg
-    tp_size: _Pos
-    engine_id: str
-    compat_hash: str
-    physical_blocks_per_logical: _Pos = 1
-    mem_type: str = "DRAM"  # "DRAM" (CPU) or "VRAM" (GPU)
-    device_id: _NonNeg = 0
-
-
-class GetMeta(msgspec.Struct, tag="GET_META", forbid_unknown_fields=True, frozen=True):
-    """Request: the metadata of rank ``tp_rank`` behind this side channel."""
-
-    tp_rank: _NonNeg = 0
-
-
-class MetaReply(msgspec.Struct, tag="META", frozen=True):
-    meta: AgentMetadata
-
-
-class ErrorReply(msgspec.Struct, tag="ERROR", frozen=True):
-    message: str
-
-
-Reply = MetaReply | ErrorReply
-
-
-class HandshakeError(RuntimeError):
-    """The handshake with ``peer`` ("host:port") failed; ``cause`` is a short keyword."""
-
-    def __init__(self, peer: str, cause: str, detail: str) -> None:
-        super().__init__(f"KV handshake with {peer} failed: {cause}: {detail}")
-        self.peer = peer
-        self.cause = cause
-
-
-def compat_hash(model_name: str, dtype: str, num_layers: int, num_kv_heads: int, head_dim: int,
-                block_size: int, transfer_mode: str) -> str:
-    """Short sha256 over everything two engines must agree on to share KV blocks byte for byte."""
-    canon = json.dumps(
-        {"model": model_name, "dtype": str(dtype), "layers": int(num_layers),
-         "kv_heads": int(num_kv_heads), "head_dim": int(head_dim),
-         "block_size": int(block_size), "mode": transfer_mode, "layout": "blocks-first-v1"},
-        sort_keys=True, separators=(",", ":"),
-    )
-    return hashlib.sha256(canon.encode()).hexdigest()[:16]
+_LOGGED_REFUSALS = 20
 
 
 class SideChannelServer:
@@ -113,14 +102,21 @@ class SideChannelServer:
     ``metadata_provider()`` is called on the server thread for every request, so it must be
     thread-safe (returning a prebuilt struct is). ``port=0`` binds a free port; the bound port is
     in ``self.port`` once :meth:`start` returns. Bind errors are raised from :meth:`start`.
+    With ``security.secret`` set, metadata only goes to a client that proves it holds the
+    secret; with ``security.allowlist`` set, only to addresses inside it (module docstring).
+    The counters are written by the server thread only and read by anyone.
     """
 
     def __init__(self, host: str, port: int,
-                 metadata_provider: Callable[[], AgentMetadata]) -> None:
+                 metadata_provider: Callable[[], AgentMetadata],
+                 security: KVSecurity | None = None) -> None:
         self.host = host
         self.port = port
         self._provider = metadata_provider
+        self._security = security or KVSecurity()
+        self._nonces = NonceBook()
         self.malformed_count = 0
+        self.refused_count = 0
         self.served_count = 0
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -128,7 +124,9 @@ class SideChannelServer:
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"pdserve-kv-side-channel-{port}")
         self._encoder = msgspec.msgpack.Encoder()
+        # GET_META alone first: its tag is optional there, as it always was for old clients.
         self._decoder = msgspec.msgpack.Decoder(GetMeta)
+        self._hello_decoder = msgspec.msgpack.Decoder(Hello)
 
     @property
     def address(self) -> str:
@@ -161,7 +159,7 @@ class SideChannelServer:
         sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)
         sock.setsockopt(zmq.IPV6, ":" in self.host)
         try:
-            endpoint = f"tcp://{_zmq_host(self.host)}:{self.port or '*'}"
+            endpoint = f"tcp://{zmq_host(self.host)}:{self.port or '*'}"
             sock.bind(endpoint)
             self.port = int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
         except zmq.ZMQError as e:
@@ -171,7 +169,8 @@ class SideChannelServer:
             return
         self._thread.name = f"pdserve-kv-side-channel-{self.port}"
         self._ready.set()
-        logger.info("KV side channel listening on %s", self.address)
+        logger.info("KV side channel listening on %s (%s)", self.address,
+                    "secret required" if self._security.enabled else "NO secret")
         try:
             while not self._stop.is_set():
                 if sock.poll(100, zmq.POLLIN):
@@ -185,7 +184,8 @@ class SideChannelServer:
             logger.info("KV side channel on %s stopped", self.address)
 
     def _serve_one(self, sock: zmq.Socket) -> None:
-        frames = sock.recv_multipart()
+        msg = sock.recv_multipart(copy=False)
+        frames = [f.bytes for f in msg]
         # A REQ peer sends [identity, b"", body]; a DEALER may send [identity, body].
         if len(frames) == 3 and frames[1] == b"":
             envelope, body = frames[:2], frames[2]
@@ -196,20 +196,53 @@ class SideChannelServer:
             logger.warning("KV side channel %s: dropped a %d-frame message",
                            self.address, len(frames))
             return
-        try:
-            request = self._decoder.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            self.malformed_count += 1
-            logger.warning("KV side channel %s: malformed request (%s)", self.address, e)
-            reply: Reply = ErrorReply(f"malformed request: {e}")
+        peer = _peer_address(msg[-1])
+        reply: Reply
+        if not self._security.allows(peer):
+            reply = self._refuse(peer, f"address {peer} is not in kv_peer_allowlist")
         else:
-            reply = self._answer(request)
+            try:
+                request = self._decode(body)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self.malformed_count += 1
+                logger.warning("KV side channel %s: malformed request from %s (%s)",
+                               self.address, peer, e)
+                reply = ErrorReply(f"malformed request: {e}")
+            else:
+                reply = self._answer(request, peer)
         try:
             sock.send_multipart([*envelope, self._encoder.encode(reply)], zmq.NOBLOCK)
         except zmq.ZMQError as e:  # the peer went away; nothing to do
             logger.warning("KV side channel %s: reply not sent (%s)", self.address, e)
 
-    def _answer(self, request: GetMeta) -> Reply:
+    def _decode(self, body: bytes) -> Request:
+        try:
+            return self._decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            try:
+                return self._hello_decoder.decode(body)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                raise e from None
+
+    def _answer(self, request: Hello | GetMeta, peer: str) -> Reply:
+        sec = self._security
+        if isinstance(request, Hello):
+            if not sec.enabled:
+                logger.warning("KV side channel %s: %s wants an authenticated handshake but "
+                               "this engine has no kv secret", self.address, peer)
+                return ErrorReply("this engine has no kv secret configured; set the same "
+                                  "--kv-secret on every engine", code="no_secret")
+            return Challenge(self._nonces.issue(request.client_nonce))
+        if sec.enabled:
+            if not request.proof:
+                return self._refuse(peer, "kv secret required: start with HELLO and prove it "
+                                          "(set the same --kv-secret on every engine)")
+            fresh = self._nonces.take(request.server_nonce, request.client_nonce)
+            if not fresh:
+                return self._refuse(peer, "unknown, used or expired challenge nonce")
+            if not check_client_proof(sec, request.proof, request.server_nonce,
+                                      request.client_nonce, request.tp_rank):
+                return self._refuse(peer, "wrong proof (kv secrets differ?)")
         try:
             meta = self._provider()
         except Exception as e:  # a provider bug is an answer, not a dead thread
@@ -219,61 +252,32 @@ class SideChannelServer:
             return ErrorReply(f"this side channel serves tp_rank {meta.tp_rank}, "
                               f"not {request.tp_rank}")
         self.served_count += 1
-        return MetaReply(meta)
+        if not sec.enabled:
+            return MetaReply(meta)
+        raw = self._encoder.encode(meta)
+        return SignedMetaReply(raw, server_proof(sec, request.client_nonce,
+                                                 request.server_nonce, raw))
+
+    def _refuse(self, peer: str, why: str) -> ErrorReply:
+        self.refused_count += 1
+        n = self.refused_count
+        if n <= _LOGGED_REFUSALS or n % 1000 == 0:  # a scanner must not flood the log
+            logger.warning("KV side channel %s: refused %s: %s (%d refused so far)",
+                           self.address, peer, why, n)
+        return ErrorReply(why, code="refused")
 
 
-def fetch_peer_metadata(host: str, port: int, expected_compat_hash: str | None,
-                        timeout_s: float = 5.0, tp_rank: int = 0) -> AgentMetadata:
-    """Ask the side channel at host:port for its metadata; raise HandshakeError on any failure.
-
-    ``expected_compat_hash=None`` skips the compatibility check (tools only).
-    """
-    peer = f"{host}:{port}"
-    deadline = time.monotonic() + timeout_s
-    _probe_tcp(host, port, timeout_s, peer)
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IPV6, ":" in host)
+def _peer_address(frame: zmq.Frame) -> str:
+    """The sender's IP as ZeroMQ saw it, an IPv4-mapped IPv6 address as plain IPv4 (so an
+    IPv4 allowlist holds on a dual-stack socket); "?" if unknown (refused under an allowlist)."""
     try:
-        sock.connect(f"tcp://{_zmq_host(host)}:{port}")
-        sock.send(msgspec.msgpack.encode(GetMeta(tp_rank=tp_rank)))
-        remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
-        if not sock.poll(remaining_ms, zmq.POLLIN):
-            raise HandshakeError(peer, "timeout", f"no reply within {timeout_s:.1f} s")
-        raw = sock.recv()
-    except zmq.ZMQError as e:
-        raise HandshakeError(peer, "unreachable", str(e)) from None
-    finally:
-        sock.close()
+        addr = frame.get("Peer-Address") or "?"
+    except zmq.ZMQError:
+        return "?"
     try:
-        reply = msgspec.msgpack.decode(raw, type=Reply)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise HandshakeError(peer, "bad reply", str(e)) from None
-    if isinstance(reply, ErrorReply):
-        raise HandshakeError(peer, "error reply", reply.message)
-    meta = reply.meta
-    if expected_compat_hash is not None and meta.compat_hash != expected_compat_hash:
-        raise HandshakeError(
-            peer, "incompatible compat hash",
-            f"peer engine {meta.engine_id!r} has {meta.compat_hash}, "
-            f"we need {expected_compat_hash} (model, dtype, layers, heads, head_dim, "
-            f"block size or transfer mode differ)")
-    return meta
-
-
-def _probe_tcp(host: str, port: int, timeout_s: float, peer: str) -> None:
-    """Fail fast on a closed port: ZeroMQ's connect never fails, it silently retries."""
-    try:
-        with socket.create_connection((host, port), timeout=max(0.05, timeout_s)):
-            pass
-    except ConnectionRefusedError:
-        raise HandshakeError(peer, "unreachable", "connection refused") from None
-    except TimeoutError:
-        raise HandshakeError(peer, "timeout", f"no TCP connect within {timeout_s:.1f} s") from None
-    except OSError as e:
-        raise HandshakeError(peer, "unreachable", str(e)) from None
-
-
-def _zmq_host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+        mapped = ipaddress.ip_address(addr)
+    except ValueError:
+        return addr
+    if isinstance(mapped, ipaddress.IPv6Address) and mapped.ipv4_mapped is not None:
+        return str(mapped.ipv4_mapped)
+    return addr

@@ -54,14 +54,18 @@ from kvconnector.handshake import AgentMetadata, HandshakeError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AgentMetadata", "FaultInjection", "NixlTransport", "TransferError", "XferHandle",
-           "count_runs"]
+__all__ = ["AgentMetadata", "FaultInjection", "NixlTransport", "PeerConflict", "TransferError",
+           "XferHandle", "count_runs"]
 
 _NOTIF_KINDS = (*wire.TAGS, wire.COMPLETION)
 
 
 class TransferError(RuntimeError):
     """A transfer or notification could not be submitted; the message names the peer."""
+
+
+class PeerConflict(TransferError):
+    """A peer blob under an agent name already loaded from another side-channel address."""
 
 
 def count_runs(local_ids: Any, remote_ids: Any) -> int:
@@ -128,6 +132,7 @@ class XferHandle:
 class _Peer:
     meta: AgentMetadata
     dlist: Any  # prepped remote descriptor list, one entry per remote block
+    source: str | None = None  # side-channel "host:port" the metadata came from
 
 
 class NixlTransport:
@@ -157,6 +162,7 @@ class NixlTransport:
         self._rng = random.Random(self.faults.seed if self.faults else None)
         self._lock = threading.RLock()
         self._peers: dict[str, _Peer] = {}
+        self.refused_peers = 0  # blobs refused by add_peer (PeerConflict)
         self._live: set[XferHandle] = set()
         self._delayed: list[tuple[float, str, bytes]] = []
         self._closed = False
@@ -184,8 +190,15 @@ class NixlTransport:
     def local_metadata(self) -> AgentMetadata:
         return self._meta
 
-    def add_peer(self, meta: AgentMetadata) -> str:
-        """Load a peer's metadata and prepare its block descriptors. Idempotent per blob."""
+    def add_peer(self, meta: AgentMetadata, source: str | None = None) -> str:
+        """Load a peer's metadata and prepare its block descriptors. Idempotent per blob.
+
+        ``source`` is the side-channel address ("host:port") the metadata came from. An agent
+        name is bound to the first address it was loaded from: a blob for a loaded name from
+        another address is refused with :class:`PeerConflict` (counted in
+        ``refused_peers``) and the loaded peer stays — otherwise anyone serving a blob under
+        a real engine's agent name (named in a PUSH_REG) would have our next WRITE for that
+        engine land in its memory. The same address may replace the blob (a restart)."""
         if self._inject("fail_handshake", self.faults and self.faults.fail_handshake):
             raise HandshakeError(meta.agent_name, "injected fault", "fail_handshake")
         if meta.bytes_per_block != self.bytes_per_block or meta.physical_blocks_per_logical != 1:
@@ -197,6 +210,12 @@ class NixlTransport:
             old = self._peers.get(meta.agent_name)
             if old is not None and old.meta.agent_blob == meta.agent_blob:
                 return meta.agent_name
+            if old is not None and source != old.source:
+                self.refused_peers += 1
+                raise PeerConflict(
+                    f"peer agent {meta.agent_name!r} (engine {meta.engine_id!r}) is loaded from "
+                    f"{old.source or '?'}; refusing a different blob under that name from "
+                    f"{source or '?'}")
             if old is not None:
                 self._remove_peer_locked(meta.agent_name)
             name = self._agent.add_remote_agent(meta.agent_blob)
@@ -208,9 +227,9 @@ class NixlTransport:
             dlist = self._agent.prep_xfer_dlist(
                 name, _block_descs(meta.base_addr, meta.num_blocks, meta.bytes_per_block,
                                    meta.device_id), meta.mem_type)
-            self._peers[name] = _Peer(meta, dlist)
-        logger.info("NIXL %s: added peer %s (engine %r, %d blocks)", self.name, name,
-                    meta.engine_id, meta.num_blocks)
+            self._peers[name] = _Peer(meta, dlist, source)
+        logger.info("NIXL %s: added peer %s (engine %r, %d blocks) from %s", self.name, name,
+                    meta.engine_id, meta.num_blocks, source or "?")
         return name
 
     def remove_peer(self, name: str) -> None:

@@ -44,6 +44,12 @@ TRANSFER_COUNTERS: dict[str, str] = {
                                      "from the prompt P prefilled.",
     "kv_malformed_notifs_total": "Malformed KV notifications counted and dropped.",
     "kv_malformed_side_channel_total": "Malformed side-channel requests counted and dropped.",
+    "kv_side_channel_refused_total": "Side-channel requests refused (no or wrong proof of the "
+                                     "KV secret, stale nonce, address outside the allowlist).",
+    "kv_handshake_refused_total": "Handshakes with peers refused either way (secret, allowlist).",
+    "kv_refused_notifs_total": "KV notifications refused: not from the transfer's agent.",
+    "kv_refused_peers_total": "Peer agent blobs refused: name already loaded from another "
+                              "address.",
     "kv_pull_reads_total": "KV READs D completed from P (pull mode).",
     "kv_pull_leases_total": "Block leases P granted for pull reads.",
     "kv_pull_leases_returned_total": "Pull leases D returned to P.",

@@ -14,7 +14,12 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.kv_connector import KVCacheSpec, KVConnectorOutput, KVConnectorWorker
-from kvconnector.handshake import SideChannelServer, compat_hash, fetch_peer_metadata
+from kvconnector.handshake import (
+    RefusedHandshakes,
+    SideChannelServer,
+    compat_hash,
+    fetch_peer_metadata,
+)
 from kvconnector.nixl import NixlTransport
 from kvconnector.pull.endpoint import endpoint_for, forget
 from kvconnector.pull.lender import Lender
@@ -24,6 +29,7 @@ from kvconnector.pull.reader import Reader
 from kvconnector.pull.scheduler import PullScheduler
 from kvconnector.pull.thread import PullThread
 from kvconnector.push.peers import Peers
+from kvconnector.security import KVSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +57,8 @@ class PullWorker(KVConnectorWorker):
         self.hb_interval = float(kv.extra("heartbeat_interval", self.lease / 6))
         self.backends = list(kv.extra("backends", ["UCX"]))
         self.fault_injection = kv.extra("fault_injection", None)
+        self.security = KVSecurity.from_config(kv)  # once per engine: one no-secret warning
+        self.refused_handshakes = RefusedHandshakes()
         self.compat = compat_hash(spec.model_name, spec.dtype, spec.num_layers,
                                   spec.num_kv_heads, spec.head_dim, spec.block_size,
                                   TRANSFER_MODE)
@@ -67,7 +75,7 @@ class PullWorker(KVConnectorWorker):
             engine_id=ep.engine_id, block_size=self.spec.block_size, compat_hash=self.compat,
         )
         meta = t.local_metadata()
-        self.side_channel = SideChannelServer(ep.host, ep.port, lambda: meta)
+        self.side_channel = SideChannelServer(ep.host, ep.port, lambda: meta, self.security)
         self.side_channel.start()
         ep.port = self.side_channel.port
         wake = threading.Event()
@@ -83,7 +91,9 @@ class PullWorker(KVConnectorWorker):
                     ep.port)
 
     def _fetch(self, host: str, port: int) -> Any:
-        return fetch_peer_metadata(host, port, self.compat, _HANDSHAKE_TIMEOUT_S)
+        with self.refused_handshakes:
+            return fetch_peer_metadata(host, port, self.compat, _HANDSHAKE_TIMEOUT_S,
+                                       security=self.security)
 
     def start_load_kv(self, metadata: PullMeta | None) -> None:
         if self.thread is not None and metadata is not None and metadata.brings_work():
@@ -101,8 +111,12 @@ class PullWorker(KVConnectorWorker):
             return {}
         stats = dict(self.stats)
         stats["kv_malformed_notifs_total"] = self.thread.malformed
+        stats["kv_handshake_refused_total"] = self.refused_handshakes.count
+        if self.transport is not None:
+            stats["kv_refused_peers_total"] = self.transport.refused_peers
         if self.side_channel is not None:
             stats["kv_malformed_side_channel_total"] = self.side_channel.malformed_count
+            stats["kv_side_channel_refused_total"] = self.side_channel.refused_count
         return stats
 
     def table_sizes(self) -> dict[str, int]:

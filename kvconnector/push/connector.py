@@ -1,7 +1,9 @@
 """NixlPushConnector: P writes its prefill KV straight into D's preallocated blocks.
 
 The scheduler half is `PushScheduler`; the worker half below owns the NIXL transport, the
-side channel that serves this engine's agent metadata, and the writer thread.
+side channel that serves this engine's agent metadata, and the writer thread. Its one
+`KVSecurity` (built once here, so the no-secret warning is logged once per engine) guards
+both directions of the side channel (docs/security.md).
 """
 
 from __future__ import annotations
@@ -14,7 +16,12 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.kv_connector import KVCacheSpec, KVConnectorOutput, KVConnectorWorker
-from kvconnector.handshake import SideChannelServer, compat_hash, fetch_peer_metadata
+from kvconnector.handshake import (
+    RefusedHandshakes,
+    SideChannelServer,
+    compat_hash,
+    fetch_peer_metadata,
+)
 from kvconnector.nixl import NixlTransport
 from kvconnector.params import validate_kv_transfer_params
 from kvconnector.push.meta import PushMeta
@@ -23,6 +30,7 @@ from kvconnector.push.receiver import Receiver
 from kvconnector.push.scheduler import PushScheduler
 from kvconnector.push.sender import Sender, SenderStats
 from kvconnector.push.writer import PushWriter
+from kvconnector.security import KVSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +56,8 @@ class PushWorker(KVConnectorWorker):
         self.hb_interval = float(kv.extra("heartbeat_interval", self.lease / 6))
         self.backends = list(kv.extra("backends", ["UCX"]))
         self.fault_injection = kv.extra("fault_injection", None)
+        self.security = KVSecurity.from_config(kv)
+        self.refused_handshakes = RefusedHandshakes()
         self.compat = compat_hash(spec.model_name, spec.dtype, spec.num_layers,
                                   spec.num_kv_heads, spec.head_dim, spec.block_size,
                                   TRANSFER_MODE)
@@ -63,7 +73,7 @@ class PushWorker(KVConnectorWorker):
             compat_hash=self.compat,
         )
         meta = self.transport.local_metadata()
-        self.side_channel = SideChannelServer(self.host, self.port, lambda: meta)
+        self.side_channel = SideChannelServer(self.host, self.port, lambda: meta, self.security)
         self.side_channel.start()
         wake = threading.Event()
         clock = time.monotonic
@@ -86,7 +96,9 @@ class PushWorker(KVConnectorWorker):
                     self.side_channel.port)
 
     def _fetch(self, host: str, port: int) -> Any:
-        return fetch_peer_metadata(host, port, self.compat, _HANDSHAKE_TIMEOUT_S)
+        with self.refused_handshakes:
+            return fetch_peer_metadata(host, port, self.compat, _HANDSHAKE_TIMEOUT_S,
+                                       security=self.security)
 
     def start_load_kv(self, metadata: PushMeta | None) -> None:
         if self.writer is not None and metadata is not None and metadata.brings_work():
@@ -105,8 +117,13 @@ class PushWorker(KVConnectorWorker):
         stats = dict(self.writer.sender.stats.counters)
         stats.update(self.writer.receiver.stats)
         stats["kv_malformed_notifs_total"] = self.writer.malformed
+        stats["kv_refused_notifs_total"] = self.writer.sender.refused + self.writer.receiver.refused
+        stats["kv_handshake_refused_total"] = self.refused_handshakes.count
+        if self.transport is not None:
+            stats["kv_refused_peers_total"] = self.transport.refused_peers
         if self.side_channel is not None:
             stats["kv_malformed_side_channel_total"] = self.side_channel.malformed_count
+            stats["kv_side_channel_refused_total"] = self.side_channel.refused_count
         return stats
 
     def table_sizes(self) -> dict[str, int]:

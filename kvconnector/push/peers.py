@@ -57,13 +57,14 @@ def probe_verdict(exc: BaseException | None, meta: Any, known_agent: str | None)
 
 
 class Peers:
-    def __init__(self, fetch: Callable[[str, int], Any], add_peer: Callable[[Any], str],
+    def __init__(self, fetch: Callable[[str, int], Any], add_peer: Callable[[Any, str], str],
                  wake: threading.Event, clock: Callable[[], float],
                  retry_after: float = 5.0, *,
                  remove_peer: Callable[[str], None] | None = None,
                  idle_after: float = 60.0) -> None:
         self._fetch = fetch  # (host, port) -> metadata, raises on failure (any thread)
-        self._add_peer = add_peer  # metadata -> agent name (transfer thread only)
+        # (metadata, "host:port" it came from) -> agent name (writer thread only)
+        self._add_peer = add_peer
         self._remove_peer = remove_peer  # agent name -> None (transfer thread only)
         self._wake = wake
         self._clock = clock
@@ -130,7 +131,7 @@ class Peers:
             if exc is None and meta is not None:
                 try:
                     old = state.agent_name
-                    state.agent_name = self._add_peer(meta)
+                    state.agent_name = self._add_peer(meta, f"{addr[0]}:{addr[1]}")
                     state.engine_id = getattr(meta, "engine_id", None)
                     state.status = "ready"
                     if old is not None and old != state.agent_name:

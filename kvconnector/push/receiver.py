@@ -13,6 +13,10 @@ wake, so their blocks stay quarantined). A probe that proves the process gone (i
 channel refuses connections, or a different agent answers there: P restarted) frees every
 block P could have written at once: a process that no longer exists writes nothing. A
 failed P that answers a probe again is taken back, so D resumes receiving KV at once.
+
+A completion, PUSH_FAIL or PUSH_CANCEL_ACK acts on a request only when it comes from the
+NIXL agent D's handshake loaded for that request's P address; from any other agent it is
+refused (counted in `refused`, logged, dropped).
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class Receiver:
         self._probe_failures: dict[Address, int] = {}
         self.probe_results: queue.SimpleQueue[tuple[Address, str, str | None]] = (
             queue.SimpleQueue())
+        self.refused = 0  # notifications from an agent other than the request's P
 
     # --- events from the scheduler ------------------------------------------------
     def on_queued(self, q: Queued) -> None:
@@ -95,7 +100,9 @@ class Receiver:
         self._settle(rid)
 
     # --- events from P ------------------------------------------------------------
-    def on_completion(self, rid: str) -> None:
+    def on_completion(self, rid: str, agent: str | None = None) -> None:
+        if not self._from_p(rid, agent, "completion"):
+            return
         if self.waiting.pop(rid, None) is not None and rid not in self.released:
             self.finished_recving.add(rid)
         elif self.quarantine.pop(rid, None) is not None:
@@ -106,7 +113,9 @@ class Receiver:
         self.safe.add(rid)
         self._settle(rid)
 
-    def on_push_fail(self, rid: str, reason: str) -> None:
+    def on_push_fail(self, rid: str, reason: str, agent: str | None = None) -> None:
+        if not self._from_p(rid, agent, "PUSH_FAIL"):
+            return
         known = self.waiting.pop(rid, None) or self.quarantine.pop(rid, None)
         if known is None:
             logger.warning("PUSH_FAIL for unknown request %s dropped", rid)
@@ -116,7 +125,9 @@ class Receiver:
         self.safe.add(rid)
         self._settle(rid)
 
-    def on_cancel_ack(self, rid: str) -> None:
+    def on_cancel_ack(self, rid: str, agent: str | None = None) -> None:
+        if not self._from_p(rid, agent, "PUSH_CANCEL_ACK"):
+            return
         if self.quarantine.pop(rid, None) is not None:
             self.safe.add(rid)
             self._settle(rid)
@@ -165,6 +176,21 @@ class Receiver:
         return min(times) if times else None
 
     # --- internals ----------------------------------------------------------------
+    def _from_p(self, rid: str, agent: str | None, what: str) -> bool:
+        """Whether `agent` is the P agent loaded for this request's P address (a request D
+        does not wait for is left to the caller's own 'unknown' handling)."""
+        w = self.waiting.get(rid)
+        addr = w.addr if w is not None else self.quarantine.get(rid, (None,))[0]
+        if agent is None or addr is None:
+            return True
+        expected = self.peers.known_agent(addr)
+        if agent == expected:
+            return True
+        self.refused += 1
+        logger.warning("refused %s for %s from agent %s: the request's P at %s:%d is agent %s",
+                       what, rid, agent, *addr, expected)
+        return False
+
     def _drain_probes(self) -> list[tuple[Address, str, str | None]]:
         out = []
         while not self.probe_results.empty():

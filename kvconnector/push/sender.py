@@ -19,6 +19,11 @@ Guarantees:
 - state created by remote input is bounded: at most `MAX_REGS_PER_AGENT` registrations per
   sending agent and `MAX_REGS` in all, none naming more blocks than P's cache holds, and
   at most `MAX_OUTBOX` notifications waiting for a peer (the oldest are dropped).
+- a registration belongs to the NIXL agent that sent it: P WRITEs for it, and answers it,
+  only to that agent, and only once the reverse handshake with its decode_host:decode_port
+  loaded that same agent; HB and PUSH_CANCEL act only on transfers of the agent that sends
+  them. Anything else is refused: counted in `refused`, logged, dropped (never a PUSH_FAIL,
+  which would reach the real owner of the request id).
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ class Staged:
 class PendingReg:
     reg: Any  # wire.PushReg
     received_at: float
-    agent: str = ""  # the NIXL agent it came from
+    agent: str | None = None  # the NIXL agent it came from (None: not checked)
 
     @property
     def addr(self) -> tuple[str, int]:
@@ -100,8 +105,10 @@ class Sender:
         self.ready: list[tuple[str, str]] = []  # (P id, D id) matched, waiting for D's peer
         self.inflight: dict[str, Inflight] = {}  # P request id -> WRITE
         self.tombstones: dict[str, float] = {}  # _tomb_key of a transfer P gave up on -> expiry
-        self.outbox: list[tuple[tuple[str, int], bytes]] = []  # notifs waiting for a peer
+        # notifs waiting for a peer: (D address, message, agent it must serve or None)
+        self.outbox: list[tuple[tuple[str, int], bytes, str | None]] = []
         self.done: set[str] = set()  # P ids whose blocks may be freed
+        self.refused = 0  # notifications refused: not from the agent the transfer belongs to
 
     # --- events -------------------------------------------------------------------
     def on_finished_blocks(self, fb: FinishedBlocks) -> None:
@@ -125,10 +132,10 @@ class Sender:
             self._tombstone(transfer_id, request_id)
 
     def on_registration(self, reg: Any, received_at: float | None = None,
-                        agent: str = "") -> None:
+                        agent: str | None = None) -> None:
         """`received_at`: the earliest time the registration may have arrived (the writer
         passes its previous notification drain); the ttl counts from there. `agent`: the
-        NIXL agent that sent it."""
+        NIXL agent that sent it, which the registration then belongs to."""
         self.stats.add("kv_push_registrations_received_total")
         pending = PendingReg(reg, self.clock() if received_at is None else received_at, agent)
         refusal = self._over_capacity(reg, agent)
@@ -138,7 +145,12 @@ class Sender:
                            agent or "?", refusal)
             self._fail(pending, refusal)
             return
-        self.peers.get(pending.addr)  # start the reverse handshake early
+        peer = self.peers.get(pending.addr)  # start the reverse handshake early
+        held = self.regs.get(reg.request_id)
+        if held is not None and not self._owner(held, agent, "PUSH_REG"):
+            return
+        if peer.status == "ready" and not self._owner(pending, peer.agent_name, "PUSH_REG"):
+            return
         if _tomb_key(reg.transfer_id, reg.request_id) in self.tombstones:
             self._fail(pending, "prefill request already ended on P (aborted or expired)")
             return
@@ -151,9 +163,18 @@ class Sender:
         if candidates:
             self._digest_mismatch(candidates[0], reg.request_id)
 
-    def on_heartbeat(self, ids: list[str]) -> None:
-        """D still waits: `ids` are transfer ids, or base request ids of transfers without."""
+    def on_heartbeat(self, ids: list[str], agent: str | None = None) -> None:
+        """D still waits: `ids` are transfer ids, or base request ids of transfers without.
+        A transfer registered by another agent is refused (one not registered yet is not: D
+        heartbeats while it queues, before its PUSH_REG)."""
         wanted = set(ids)
+        owners = {heartbeat_id(p.reg.request_id, p.reg.transfer_id): p
+                  for p in self.regs.values()}
+        owners.update((heartbeat_id(w.reg.reg.request_id, w.reg.reg.transfer_id), w.reg)
+                      for w in self.inflight.values())
+        for hid in sorted(wanted & owners.keys()):
+            if not self._owner(owners[hid], agent, "HB"):
+                wanted.discard(hid)
         deadline = self.clock() + self.lease
         for p_id, staged in self.staged.items():
             if heartbeat_id(p_id, staged.blocks.transfer_id) in wanted:
@@ -168,8 +189,12 @@ class Sender:
         for 2 * ttl (e.g. after a lost completion)."""
         for w in self.inflight.values():
             if w.reg.reg.request_id == d_request_id:
-                w.ack_cancel = True  # acknowledged once the WRITE is over
+                if self._owner(w.reg, agent, "PUSH_CANCEL"):
+                    w.ack_cancel = True  # acknowledged once the WRITE is over
                 return
+        held = self.regs.get(d_request_id)
+        if held is not None and not self._owner(held, agent, "PUSH_CANCEL"):
+            return
         pending = self.regs.pop(d_request_id, None)
         self.ready = [(p, d) for p, d in self.ready if d != d_request_id]
         for staged in self.staged.values():
@@ -178,7 +203,7 @@ class Sender:
         self._tombstone(transfer_id, d_request_id)
         ack = wire.encode_push_cancel_ack(d_request_id, transfer_id)
         if pending is not None:
-            self._send(pending.addr, ack)
+            self._send(pending.addr, ack, pending.agent)
         elif agent is not None and agent in self.t.peers():
             try:
                 self.t.send_notif(agent, ack)
@@ -214,11 +239,22 @@ class Sender:
             return f"too many pending registrations from agent {agent} ({MAX_REGS_PER_AGENT})"
         return None
 
+    def _owner(self, pending: PendingReg, agent: str | None, what: str) -> bool:
+        """Whether `agent` may act on this registration; counts and logs a refusal."""
+        if pending.agent is None or agent is None or agent == pending.agent:
+            return True
+        self.refused += 1
+        reg = pending.reg
+        logger.warning("refused %s for D request %s (transfer %s): agent %s, but the "
+                       "registration belongs to agent %s (D address %s:%d)", what,
+                       reg.request_id, reg.transfer_id, agent, pending.agent, *pending.addr)
+        return False
+
     def addresses_in_use(self) -> set[tuple[str, int]]:
         """D addresses a registration, WRITE or notification still needs."""
         used = {p.addr for p in self.regs.values()}
         used |= {w.reg.addr for w in self.inflight.values()}
-        used |= {addr for addr, _ in self.outbox}
+        used |= {addr for addr, *_ in self.outbox}
         return used
 
     def _regs_for(self, fb: FinishedBlocks) -> list[str]:
@@ -264,6 +300,14 @@ class Sender:
             peer = self.peers.get(pending.addr)
             if peer.status == "pending":
                 waiting.append((p_id, d_id))
+            elif not self._owner(pending, peer.agent_name, "WRITE to the address's agent"):
+                # The agent D's address serves is not the one that registered: never write.
+                del self.regs[d_id]
+                other = next((r for r in self._regs_for(staged.blocks)  # the rightful one
+                              if _digest_ok(staged.blocks, self.regs[r].reg)), None)
+                staged.matched = other is not None
+                if other is not None:
+                    waiting.append((p_id, other))
             elif peer.status == "failed":
                 # D is unreachable, so it cannot be told either: its watchdog decides.
                 del self.regs[d_id]
@@ -323,7 +367,8 @@ class Sender:
                 self._fail(w.reg, "WRITE failed in transfer")
             if w.ack_cancel:
                 self._send(w.reg.addr, wire.encode_push_cancel_ack(reg.request_id,
-                                                                   reg.transfer_id))
+                                                                   reg.transfer_id),
+                           w.reg.agent)
             self._release(p_id, failed=state != "DONE")
 
     def _expire(self, now: float) -> None:
@@ -357,10 +402,11 @@ class Sender:
         except ValueError as e:  # cannot happen for a decoded registration; D's watchdog holds
             logger.error("PUSH_FAIL for %s not encodable: %s", reg.request_id, e)
             return
-        self._send(pending.addr, msg)
+        self._send(pending.addr, msg, pending.agent)
 
-    def _send(self, addr: tuple[str, int], msg: bytes) -> None:
-        self.outbox.append((addr, msg))
+    def _send(self, addr: tuple[str, int], msg: bytes, agent: str | None = None) -> None:
+        """Queue `msg` for D at `addr`; with `agent`, only if `addr` serves that agent."""
+        self.outbox.append((addr, msg, agent))
         self._flush_outbox()
         if len(self.outbox) > MAX_OUTBOX:
             dropped = len(self.outbox) - MAX_OUTBOX
@@ -370,10 +416,16 @@ class Sender:
 
     def _flush_outbox(self) -> None:
         keep = []
-        for addr, msg in self.outbox:
+        for addr, msg, agent in self.outbox:
             peer = self.peers.get(addr)
             if peer.status == "pending":
-                keep.append((addr, msg))
+                keep.append((addr, msg, agent))
+                continue
+            if peer.status == "ready" and agent is not None and peer.agent_name != agent:
+                self.refused += 1
+                logger.warning("%s to %s:%d dropped: that address serves agent %s, the "
+                               "registration came from %s", wire.notif_kind(msg), *addr,
+                               peer.agent_name, agent)
                 continue
             if peer.status == "ready":
                 try:

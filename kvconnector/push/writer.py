@@ -83,6 +83,8 @@ class PushWriter(WakeThread):
                 self.sender.on_aborted(rid, tid)
 
     def _dispatch(self, raw: bytes, seen_after: float, agent: str) -> None:
+        """`agent`: the sender's NIXL agent name; the halves refuse (and count) a message from
+        an agent other than the one the transfer belongs to."""
         try:
             msg = wire.decode_notif(raw)
         except wire.MalformedNotif as e:
@@ -92,12 +94,12 @@ class PushWriter(WakeThread):
         if isinstance(msg, wire.PushReg):
             self.sender.on_registration(msg, received_at=seen_after, agent=agent)
         elif isinstance(msg, wire.Heartbeat):
-            self.sender.on_heartbeat(list(msg.transfer_ids))
+            self.sender.on_heartbeat(list(msg.transfer_ids), agent)
         elif isinstance(msg, wire.PushCancel):
             self.sender.on_cancel(msg.request_id, msg.transfer_id, agent)
         elif isinstance(msg, wire.Completion):
-            self.receiver.on_completion(msg.request_id)
+            self.receiver.on_completion(msg.request_id, agent)
         elif isinstance(msg, wire.PushFail):
-            self.receiver.on_push_fail(msg.request_id, msg.reason)
+            self.receiver.on_push_fail(msg.request_id, msg.reason, agent)
         elif isinstance(msg, wire.PushCancelAck):
-            self.receiver.on_cancel_ack(msg.request_id)
+            self.receiver.on_cancel_ack(msg.request_id, agent)

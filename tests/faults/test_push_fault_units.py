@@ -231,7 +231,7 @@ def test_p_refuses_registrations_beyond_its_caps(monkeypatch):
     sender = Sender(t, peers, clock, lease=LEASE, ttl=TTL, tp_size=1, bytes_per_block=64,
                     stats=SenderStats(), num_blocks=16)
     for i in range(5):
-        sender.on_registration(wire.decode_notif(_reg(f"d-{i}", f"t-{i}")), agent="rogue")
+        sender.on_registration(wire.decode_notif(_reg(f"d-{i}", f"t-{i}")), agent=D_AGENT)
     huge = wire.PushReg(**{**msgspec.structs.asdict(wire.decode_notif(_reg("d-x", "t-x"))),
                            "local_block_ids": [list(range(17))]})
     sender.on_registration(huge, agent=D_AGENT)

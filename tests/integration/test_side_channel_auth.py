@@ -1,0 +1,216 @@
+"""The side channel's challenge–response, allowlist and reply cap over real ZeroMQ sockets.
+
+A real :class:`SideChannelServer` serves a fixed :class:`AgentMetadata`; the tests play the
+stranger (no secret, a wrong one, a replayed nonce, a forbidden address) with the real client
+or a raw ZeroMQ REQ socket, and a fake server (its own process) plays a side channel that
+does not know the secret or that answers with 256 MiB.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from kvconnector.handshake import (
+    MAX_REPLY_BYTES,
+    AgentMetadata,
+    Challenge,
+    ErrorReply,
+    GetMeta,
+    HandshakeError,
+    Hello,
+    MetaReply,
+    Reply,
+    SideChannelServer,
+    SignedMetaReply,
+    fetch_peer_metadata,
+)
+from kvconnector.handshake_auth import NonceBook, client_proof, new_nonce
+from kvconnector.security import KVSecurity
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = KVSecurity(b"the-right-secret-0123456789")
+WRONG = KVSecurity(b"a-wrong-secret-0123456789ab")
+META = AgentMetadata(agent_name="P0-tp0", agent_blob=b"\x01blob" * 80, base_addr=4096,
+                     num_blocks=32, bytes_per_block=1024, block_size=4, tp_rank=0, tp_size=1,
+                     engine_id="P0", compat_hash="c0ffee")
+
+
+@pytest.fixture
+def server(request: pytest.FixtureRequest) -> Iterator[SideChannelServer]:
+    sec = getattr(request, "param", SECRET)
+    with SideChannelServer("127.0.0.1", 0, lambda: META, sec) as s:
+        yield s
+
+
+def _raw(port: int, *requests: object) -> list[Reply]:
+    """Send requests one after another on one REQ socket; the typed replies."""
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        out = []
+        for req in requests:
+            sock.send(msgspec.msgpack.encode(req))
+            assert sock.poll(3000, zmq.POLLIN), "the side channel stopped answering"
+            out.append(msgspec.msgpack.decode(sock.recv(), type=Reply))
+        return out
+    finally:
+        sock.close()
+
+
+def test_a_peer_with_the_same_secret_gets_the_metadata(server):
+    meta = fetch_peer_metadata("127.0.0.1", server.port, "c0ffee", 3.0, security=SECRET)
+    assert meta == META
+    assert server.refused_count == 0 and server.served_count == 1
+
+
+def test_a_client_without_the_secret_gets_no_metadata_and_is_counted(server):
+    with pytest.raises(HandshakeError) as e:
+        fetch_peer_metadata("127.0.0.1", server.port, None, 3.0)
+    assert e.value.cause == "refused" and "kv secret required" in str(e.value)
+    # A raw GET_META, as vLLM or any stranger would send it: an error reply, no blob.
+    (reply,) = _raw(server.port, GetMeta(tp_rank=0))
+    assert isinstance(reply, ErrorReply) and reply.code == "refused"
+    assert server.refused_count == 2 and server.served_count == 0
+
+
+def test_a_client_with_a_wrong_secret_gets_no_metadata_and_is_counted(server):
+    with pytest.raises(HandshakeError) as e:
+        fetch_peer_metadata("127.0.0.1", server.port, None, 3.0, security=WRONG)
+    assert e.value.cause == "refused" and "wrong proof" in str(e.value)
+    assert server.refused_count == 1 and server.served_count == 0
+
+
+def test_a_challenge_nonce_works_once_and_only_for_its_client_nonce(server):
+    cnonce = new_nonce()
+    (challenge,) = _raw(server.port, Hello(cnonce))
+    assert isinstance(challenge, Challenge)
+    snonce = challenge.server_nonce
+    good = GetMeta(0, cnonce, snonce, client_proof(SECRET, snonce, cnonce, 0))
+    first, replay = _raw(server.port, good, good)
+    assert isinstance(first, SignedMetaReply)
+    assert isinstance(replay, ErrorReply) and "nonce" in replay.message
+    # A nonce issued to one client nonce is no good with another, even with a valid proof.
+    (challenge,) = _raw(server.port, Hello(cnonce))
+    other = new_nonce()
+    snonce = challenge.server_nonce
+    (reply,) = _raw(server.port, GetMeta(0, other, snonce, client_proof(SECRET, snonce, other,
+                                                                         0)))
+    assert isinstance(reply, ErrorReply) and reply.code == "refused"
+    assert server.refused_count == 2 and server.served_count == 1
+
+
+def test_server_nonces_expire_and_stay_bounded_in_count():
+    now = [100.0]
+    book = NonceBook(capacity=4, lifetime_s=10.0, clock=lambda: now[0])
+    c = new_nonce()
+    stale = book.issue(c)
+    now[0] += 10.0
+    assert not book.take(stale, c)
+    nonces = [book.issue(c) for _ in range(10)]
+    assert len(book) == 4
+    assert not book.take(nonces[0], c)  # the oldest gave way
+    assert book.take(nonces[-1], c) and not book.take(nonces[-1], c)
+
+
+@pytest.mark.parametrize("server", [KVSecurity(SECRET.secret, KVSecurity.from_extra(
+    {"kv_peer_allowlist": ["10.0.0.0/8"]}, warn=False).allowlist)], indirect=True)
+def test_the_side_channel_refuses_an_address_outside_the_allowlist(server):
+    with pytest.raises(HandshakeError) as e:
+        fetch_peer_metadata("127.0.0.1", server.port, None, 3.0, security=SECRET)
+    assert e.value.cause == "refused" and "kv_peer_allowlist" in str(e.value)
+    assert server.refused_count == 1 and server.served_count == 0
+
+
+def test_the_client_refuses_a_peer_outside_its_allowlist_before_connecting(server):
+    only_10 = KVSecurity(SECRET.secret, KVSecurity.from_extra(
+        {"kv_peer_allowlist": "10.0.0.0/8, fd00::/8"}, warn=False).allowlist)
+    with pytest.raises(HandshakeError) as e:
+        fetch_peer_metadata("localhost", server.port, None, 3.0, security=only_10)
+    assert e.value.cause == "not allowed"
+    assert server.served_count == 0 and server.refused_count == 0  # never reached it
+
+
+@pytest.mark.parametrize("server", [None], indirect=True)
+def test_without_a_secret_both_sides_behave_as_before(server):
+    assert fetch_peer_metadata("127.0.0.1", server.port, "c0ffee", 3.0) == META
+    (reply,) = _raw(server.port, GetMeta(tp_rank=0))
+    assert isinstance(reply, MetaReply) and reply.meta == META
+    # A client that holds a secret does not take an unauthenticated peer's blob.
+    with pytest.raises(HandshakeError) as e:
+        fetch_peer_metadata("127.0.0.1", server.port, None, 3.0, security=SECRET)
+    assert e.value.cause == "refused" and "no kv secret" in str(e.value)
+
+
+# A side channel in its own process: it answers HELLO with a challenge, then GET_META with
+# whatever MODE says (a forged, unsigned or huge reply).
+FAKE_SERVER = r"""
+import sys, msgspec, zmq
+from kvconnector.handshake import Challenge, MetaReply, SignedMetaReply
+from kvconnector.handshake_msgs import AgentMetadata
+mode, meta = sys.argv[1], msgspec.msgpack.decode(bytes.fromhex(sys.argv[2]), type=AgentMetadata)
+sock = zmq.Context.instance().socket(zmq.ROUTER)
+port = sock.bind_to_random_port("tcp://127.0.0.1")
+print(port, flush=True)
+while True:
+    ident, empty, body = sock.recv_multipart()
+    if b"HELLO" in body:
+        reply = msgspec.msgpack.encode(Challenge(b"n" * 32))
+    elif mode == "huge":
+        reply = b"\0" * (256 << 20)
+    elif mode == "forged":
+        reply = msgspec.msgpack.encode(SignedMetaReply(msgspec.msgpack.encode(meta), b"x" * 32))
+    else:
+        reply = msgspec.msgpack.encode(MetaReply(meta))
+    sock.send_multipart([ident, empty, reply])
+"""
+
+
+@pytest.fixture
+def fake_server(request: pytest.FixtureRequest) -> Iterator[int]:
+    proc = subprocess.Popen([sys.executable, "-c", FAKE_SERVER, request.param,
+                             msgspec.msgpack.encode(META).hex()],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ})
+    try:
+        assert proc.stdout is not None
+        yield int(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("fake_server", ["forged"], indirect=True)
+def test_a_side_channel_that_cannot_prove_the_secret_hands_out_no_blob(fake_server):
+    with pytest.raises(HandshakeError) as e:
+        fetch_peer_metadata("127.0.0.1", fake_server, None, 3.0, security=SECRET)
+    assert e.value.cause == "bad proof"
+
+
+@pytest.mark.parametrize("fake_server", ["unsigned"], indirect=True)
+def test_an_unsigned_reply_is_refused_by_a_client_with_a_secret(fake_server):
+    with pytest.raises(HandshakeError) as e:
+        fetch_peer_metadata("127.0.0.1", fake_server, None, 3.0, security=SECRET)
+    assert e.value.cause == "refused"
+
+
+@pytest.mark.parametrize("fake_server", ["huge"], indirect=True)
+def test_a_huge_handshake_reply_fails_fast_with_bounded_memory(fake_server):
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    started = time.monotonic()
+    with pytest.raises(HandshakeError) as e:
+        fetch_peer_metadata("127.0.0.1", fake_server, None, 30.0)
+    elapsed = time.monotonic() - started
+    assert e.value.cause == "bad reply" and str(MAX_REPLY_BYTES) in str(e.value)
+    assert elapsed < 10.0, elapsed  # the connection drop ends it, not the 30 s timeout
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
+    assert grown_mib < 32, f"the client grew by {grown_mib:.0f} MiB"
