@@ -135,7 +135,7 @@ fi
 # settings and the launch scripts' variables (P_*, D_*, PROXY_*, MODEL, ...) are dropped so
 # that only what this script sets reaches the engines.
 SCRUB='^(UCX_[A-Za-z0-9_]+|P_[A-Z_]+|D_[A-Z_]+|PROXY_[A-Z_]+|MODEL|KV_CONNECTOR'
-SCRUB+='|SERVED_MODEL_NAME|PDSERVE_EXTRA_ARGS|PDSERVE_API_KEY|[A-Za-z]+_(PROXY|proxy))$'
+SCRUB+='|SERVED_MODEL_NAME|PDSERVE_EXTRA_ARGS|PDSERVE_API_KEY|PDSERVE_KV_SECRET|[A-Za-z]+_(PROXY|proxy))$'
 in_ns() {
     local ns="$1" logf="$2"
     shift 2
@@ -175,13 +175,16 @@ ucx_dev() {  # ucx_dev VETH: the UCX_NET_DEVICES assignment for one side, if any
     esac
 }
 
+# P and D share a KV secret (docs/security.md), passed in the environment, never on a
+# command line where `ps` would show it; the proxy does not need it.
+KV_SECRET="$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')"
 in_ns "$NS_P" prefill.log "$(ucx_dev "$VETH_P")" MODEL="$MODEL" P_HOST="$IP_P" \
-    P_PORT="$P_PORT" P_KV_PORT="$P_KV_PORT" -- \
+    P_PORT="$P_PORT" P_KV_PORT="$P_KV_PORT" PDSERVE_KV_SECRET="$KV_SECRET" -- \
     "$ROOT/scripts/launch_prefill.sh" --engine-id "P-$TAG" --served-model-name "$SERVED" \
     -- "${ENGINE_FLAGS[@]}"
 PID_P=$!
 in_ns "$NS_D" decode.log "$(ucx_dev "$VETH_D")" MODEL="$MODEL" D_HOST="$IP_D" \
-    D_PORT="$D_PORT" D_KV_PORT="$D_KV_PORT" -- \
+    D_PORT="$D_PORT" D_KV_PORT="$D_KV_PORT" PDSERVE_KV_SECRET="$KV_SECRET" -- \
     "$ROOT/scripts/launch_decode.sh" --engine-id "D-$TAG" --served-model-name "$SERVED" \
     -- "${ENGINE_FLAGS[@]}"
 PID_D=$!
