@@ -389,3 +389,34 @@ def test_d_heartbeats_a_transfer_without_id_by_its_base_id_and_skips_uncarriable
     assert [m.prompt_digest for m in sent if isinstance(m, wire.PushReg)] == [DIGEST, DIGEST]
     assert wire.Heartbeat(("vllm-9",)) in sent
     assert peers.state.status == "ready"  # an id a heartbeat cannot carry is no probe failure
+
+
+def test_idle_peers_and_their_agents_are_dropped_but_not_while_in_use():
+    from kvconnector.push.peers import Peers
+
+    clock, removed, wake = Clock(), [], threading.Event()
+
+    class Meta:
+        def __init__(self, port: int) -> None:
+            self.agent_name, self.engine_id = f"agent-{port}", f"E{port}"
+
+    peers = Peers(lambda host, port: Meta(port), lambda meta, source: meta.agent_name, wake,
+                  clock, remove_peer=removed.append, idle_after=30.0)
+    try:
+        a, b = ("127.0.0.1", 7001), ("127.0.0.1", 7002)
+        peers.get(a), peers.get(b)
+        for _ in range(200):
+            peers.apply_finished()
+            if peers.table_sizes()["peers_ready"] == 2:
+                break
+            wake.wait(0.05)
+            wake.clear()
+        assert peers.table_sizes()["peers_ready"] == 2
+        clock.t += 29.0
+        assert peers.prune(in_use=set()) == 0  # not idle long enough
+        clock.t += 2.0
+        assert peers.prune(in_use={b}) == 1  # a is idle; b still carries a transfer
+        assert removed == ["agent-7001"] and peers.known_agent(a) is None
+        assert peers.known_agent(b) == "agent-7002"
+    finally:
+        peers.shutdown()
