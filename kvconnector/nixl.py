@@ -43,6 +43,7 @@ import logging
 import random
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,9 @@ _NOTIF_KINDS = (*wire.TAGS, wire.COMPLETION)
 
 class TransferError(RuntimeError):
     """A transfer or notification could not be submitted; the message names the peer."""
+
+
+MAX_AGENT_BINDINGS = 4096
 
 
 class PeerConflict(TransferError):
@@ -163,6 +167,9 @@ class NixlTransport:
         self._lock = threading.RLock()
         self._peers: dict[str, _Peer] = {}
         self.refused_peers = 0  # blobs refused by add_peer (PeerConflict)
+        # agent name -> the address it was first loaded from; outlives remove_peer (an idle
+        # peer dropped must not free its name for an impostor), bounded LRU
+        self._bindings: OrderedDict[str, str | None] = OrderedDict()
         self._live: set[XferHandle] = set()
         self._delayed: list[tuple[float, str, bytes]] = []
         self._closed = False
@@ -210,11 +217,12 @@ class NixlTransport:
             old = self._peers.get(meta.agent_name)
             if old is not None and old.meta.agent_blob == meta.agent_blob:
                 return meta.agent_name
-            if old is not None and source != old.source:
+            bound = self._bindings.get(meta.agent_name, source)
+            if source != bound:
                 self.refused_peers += 1
                 raise PeerConflict(
-                    f"peer agent {meta.agent_name!r} (engine {meta.engine_id!r}) is loaded from "
-                    f"{old.source or '?'}; refusing a different blob under that name from "
+                    f"peer agent {meta.agent_name!r} (engine {meta.engine_id!r}) is bound to "
+                    f"{bound or '?'}; refusing a different blob under that name from "
                     f"{source or '?'}")
             if old is not None:
                 self._remove_peer_locked(meta.agent_name)
@@ -228,6 +236,10 @@ class NixlTransport:
                 name, _block_descs(meta.base_addr, meta.num_blocks, meta.bytes_per_block,
                                    meta.device_id), meta.mem_type)
             self._peers[name] = _Peer(meta, dlist, source)
+            self._bindings[name] = source
+            self._bindings.move_to_end(name)
+            while len(self._bindings) > MAX_AGENT_BINDINGS:
+                self._bindings.popitem(last=False)
         logger.info("NIXL %s: added peer %s (engine %r, %d blocks) from %s", self.name, name,
                     meta.engine_id, meta.num_blocks, source or "?")
         return name

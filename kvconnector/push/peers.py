@@ -15,7 +15,7 @@ Bounded state, whatever remote input names (DESIGN invariant 7):
   still needs is dropped by `prune`, and so is its NIXL agent.
 
 Liveness probes answer "alive" (the same agent answers), "gone" (connection refused, or a
-different agent answers: the process we knew has exited) or "silent" (no answer: frozen,
+different agent or blob answers: the process we knew has exited) or "silent" (no answer: frozen,
 overloaded or cut off — it may still write later).
 """
 
@@ -46,12 +46,18 @@ class PeerState:
     reason: str = ""
     failed_at: float = 0.0
     last_used: float = 0.0
+    agent_blob: bytes | None = None  # what the handshake loaded (a probe compares it)
 
 
-def probe_verdict(exc: BaseException | None, meta: Any, known_agent: str | None) -> str:
-    """How a liveness probe ended: ALIVE, GONE or SILENT (see the module docstring)."""
+def probe_verdict(exc: BaseException | None, meta: Any, known_agent: str | None,
+                  known_blob: bytes | None = None) -> str:
+    """How a liveness probe ended: ALIVE, GONE or SILENT (see the module docstring). A new
+    blob under the same name is a new process too (an engine restarted with a fixed id)."""
     if exc is None:
-        return ALIVE if known_agent is None or meta.agent_name == known_agent else GONE
+        if known_agent is None:
+            return ALIVE
+        same_blob = known_blob is None or getattr(meta, "agent_blob", None) == known_blob
+        return ALIVE if meta.agent_name == known_agent and same_blob else GONE
     refused = getattr(exc, "cause", "") == "unreachable" and "refused" in str(exc)
     return GONE if refused else SILENT
 
@@ -133,6 +139,7 @@ class Peers:
                     old = state.agent_name
                     state.agent_name = self._add_peer(meta, f"{addr[0]}:{addr[1]}")
                     state.engine_id = getattr(meta, "engine_id", None)
+                    state.agent_blob = getattr(meta, "agent_blob", None)
                     state.status = "ready"
                     if old is not None and old != state.agent_name:
                         self._drop_agent(old)  # the peer restarted: its old agent is gone
@@ -202,14 +209,16 @@ class Peers:
               ) -> None:
         """Liveness check on the executor: `on_result(addr, verdict, agent probed)` runs
         there, so it must only enqueue. Verdicts: ALIVE, GONE, SILENT."""
-        known = self.known_agent(addr)
+        state = self._peers.get(addr)
+        known = state.agent_name if state is not None else None
+        blob = state.agent_blob if state is not None else None
 
         def run() -> None:
             try:
                 meta, exc = self._fetch(addr[0], addr[1]), None
             except Exception as e:  # noqa: BLE001 - any failure is a verdict
                 meta, exc = None, e
-            on_result(addr, probe_verdict(exc, meta, known), known)
+            on_result(addr, probe_verdict(exc, meta, known, blob), known)
             self._wake.set()
         self._known_pool.submit(run)
 

@@ -31,6 +31,7 @@ from pd_harness import assert_no_leaks, metric
 
 from kvconnector import wire
 from kvconnector.handshake import fetch_peer_metadata
+from kvconnector.security import prompt_digest
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -157,7 +158,8 @@ def test_a_strangers_heartbeat_cancel_and_registration_change_nothing_on_p(
             request_id=rid, transfer_id=tid, decode_engine_id="fakeD", decode_host="127.0.0.1",
             decode_port=port, decode_tp_size=1, local_block_ids=[list(range(n))],
             first_block_index=0, remote_engine_id="P0", remote_host="127.0.0.1",
-            remote_port=dep.kv_ports["P0"], remote_tp_size=1))
+            remote_port=dep.kv_ports["P0"], remote_tp_size=1,
+            prompt_digest=prompt_digest(prompt)))
 
     received = kv_stat(dep.p, "kv_push_registrations_received_total")
     before = kv_stat(dep.p, REFUSED)

@@ -420,3 +420,21 @@ def test_idle_peers_and_their_agents_are_dropped_but_not_while_in_use():
         assert peers.known_agent(b) == "agent-7002"
     finally:
         peers.shutdown()
+
+
+def test_a_probe_tells_a_restarted_p_from_the_one_d_knew():
+    from types import SimpleNamespace
+
+    from kvconnector.handshake import HandshakeError
+    from kvconnector.push.peers import probe_verdict
+
+    same = SimpleNamespace(agent_name="P0-tp0", agent_blob=b"blob-1")
+    restarted = SimpleNamespace(agent_name="P0-tp0", agent_blob=b"blob-2")  # fixed engine id
+    assert probe_verdict(None, same, "P0-tp0", b"blob-1") == ALIVE
+    assert probe_verdict(None, restarted, "P0-tp0", b"blob-1") == GONE
+    assert probe_verdict(None, SimpleNamespace(agent_name="P9-tp0", agent_blob=b"x"),
+                         "P0-tp0", b"blob-1") == GONE
+    refused = HandshakeError("127.0.0.1:1", "unreachable", "connection refused")
+    assert probe_verdict(refused, None, "P0-tp0", b"blob-1") == GONE
+    timeout = HandshakeError("127.0.0.1:1", "timeout", "no reply within 3.0 s")
+    assert probe_verdict(timeout, None, "P0-tp0", b"blob-1") == SILENT
