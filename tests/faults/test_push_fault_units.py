@@ -108,6 +108,14 @@ class FakePeers:
         pass
 
 
+def _d_receiver(clock: Clock, t: FakeTransport, peers: FakePeers) -> Receiver:
+    return Receiver(t, peers, clock, identity={"decode_engine_id": "D0",
+                                               "decode_host": D_ADDR[0],
+                                               "decode_port": D_ADDR[1], "decode_tp_size": 1},
+                    ttl=TTL, hb_interval=1.0, grace=1.0,
+                    stats={"kv_push_registrations_sent_total": 0, "kv_recv_failed_total": 0})
+
+
 def _p_writer(clock: Clock) -> tuple[PushWriter, FakeTransport, Sender]:
     t, peers = FakeTransport(), FakePeers(D_AGENT)
     sender = Sender(t, peers, clock, lease=LEASE, ttl=TTL, tp_size=1, bytes_per_block=64,
@@ -163,10 +171,7 @@ def test_a_registration_found_after_a_short_pause_is_written():
 def test_d_cancels_at_a_peer_it_declared_dead():
     clock, t = Clock(), FakeTransport()
     peers = FakePeers("P0-tp0")
-    r = Receiver(t, peers, clock, identity={"decode_engine_id": "D0", "decode_host": D_ADDR[0],
-                                             "decode_port": D_ADDR[1], "decode_tp_size": 1},
-                 ttl=TTL, hb_interval=1.0, grace=1.0,
-                 stats={"kv_push_registrations_sent_total": 0, "kv_recv_failed_total": 0})
+    r = _d_receiver(clock, t, peers)
     r.on_registration(Registration("d-1", "t-1", [7, 8], 0, 20, "P0", "127.0.0.1", 7001, 1))
     r.poll()
     assert t.kinds() == ["PUSH_REG"]
@@ -176,14 +181,6 @@ def test_d_cancels_at_a_peer_it_declared_dead():
     assert peers.state.status == "failed"
     assert t.kinds() == ["PUSH_REG", "PUSH_CANCEL"]  # ... and still tell it
     assert "d-1" in r.quarantine
-
-
-def _d_receiver(clock: Clock, t: FakeTransport, peers: FakePeers) -> Receiver:
-    return Receiver(t, peers, clock, identity={"decode_engine_id": "D0",
-                                               "decode_host": D_ADDR[0],
-                                               "decode_port": D_ADDR[1], "decode_tp_size": 1},
-                    ttl=TTL, hb_interval=1.0, grace=1.0,
-                    stats={"kv_push_registrations_sent_total": 0, "kv_recv_failed_total": 0})
 
 
 def test_d_frees_quarantined_blocks_at_once_when_p_is_gone():
@@ -376,10 +373,7 @@ def test_any_error_on_the_send_path_is_push_fail_and_frees_the_blocks(where, mon
 def test_d_heartbeats_a_transfer_without_id_by_its_base_id_and_skips_uncarriable_ids():
     clock, t = Clock(), FakeTransport()
     peers = FakePeers("P0-tp0")
-    r = Receiver(t, peers, clock, identity={"decode_engine_id": "D0", "decode_host": D_ADDR[0],
-                                             "decode_port": D_ADDR[1], "decode_tp_size": 1},
-                 ttl=TTL, hb_interval=1.0, grace=1.0,
-                 stats={"kv_push_registrations_sent_total": 0, "kv_recv_failed_total": 0})
+    r = _d_receiver(clock, t, peers)
     r.on_registration(Registration("vllm-9-1a2b3c4d", "", [7, 8], 0, 20, "P0", "127.0.0.1",
                                    7001, 1, DIGEST))
     r.on_registration(Registration("a,b-2a2b3c4d", "", [9], 0, 20, "P0", "127.0.0.1",
