@@ -18,5 +18,5 @@ Modules:
 - connector.py  PullWorker — worker half: NIXL transport, side channel, thread.
 - thread.py     the `nixl-pull-reader` thread (inbox, notifications, polls, outbox).
 - lender.py     P side: leases, heartbeats, completions, expiry.
-- reader.py     D side: claims, handshakes (push.peers.Peers), READs, heartbeats.
+- reader.py     D side: claims, handshakes (kvconnector.peers.Peers), READs, heartbeats.
 """

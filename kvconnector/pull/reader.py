@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvconnector import wire
+from kvconnector.peers import Peers
 from kvconnector.pull.meta import Address, Claim, Read
-from kvconnector.push.peers import Peers
 
 logger = logging.getLogger(__name__)
 

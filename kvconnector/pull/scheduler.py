@@ -30,8 +30,8 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.kv_connector import KVCacheSpec, KVConnectorOutput, KVConnectorScheduler
+from kvconnector.endpoint import Endpoint
 from kvconnector.pull import signing
-from kvconnector.pull.endpoint import endpoint_for
 from kvconnector.pull.meta import Claim, Lease, PullMeta, Read, prompt_digest
 from kvconnector.pull.params import (
     carriable_request_id,
@@ -53,13 +53,14 @@ def cdiv(a: int, b: int) -> int:
 class PullScheduler(KVConnectorScheduler):
     def __init__(self, config: EngineConfig, spec: KVCacheSpec,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time,
+                 endpoint: Endpoint | None = None) -> None:
         kv = config.kv_transfer_config
         assert kv is not None
         self.block_size = spec.block_size
         self.clock = clock
         self.wall_clock = wall_clock  # lease_expires_at crosses hosts: wall time
-        self.endpoint = endpoint_for(config)
+        self.endpoint = endpoint or Endpoint.from_config(kv)  # the worker binds its port
         self.security = KVSecurity.from_config(kv, warn=False)
         self.lease = float(kv.extra("kv_lease_duration", 30.0))
         self.load_failure_policy = kv.extra("kv_load_failure_policy", "recompute")

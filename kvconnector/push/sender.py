@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvconnector import wire
+from kvconnector.peers import Peers
 from kvconnector.push.meta import FinishedBlocks, heartbeat_id
-from kvconnector.push.peers import Peers
 
 logger = logging.getLogger(__name__)
 
