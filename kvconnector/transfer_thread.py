@@ -7,14 +7,15 @@ work is outstanding (a transfer progresses only while both agents are polled: se
 `kvconnector.nixl`) and otherwise sleeps until the sink's next deadline, so an idle engine
 costs no CPU.
 
-A mode supplies only its policy: two halves and two routing tables.
+A mode subclasses it with only its policy: a `name`, two halves and two routing tables.
 - `source`: this engine's blocks other engines take (P side); `sink`: blocks this engine
-  receives (D side). Each half has `poll()`, `needs_poll()` and a `done` set of request ids
-  whose blocks may be freed; the sink also has `next_deadline()`, `finished_recving` and
-  `failed_recving`. With `prune_idle` both halves have `addresses_in_use()`.
-- `inbox_routes`: field of the scheduler's per-step metadata -> handler of one item, in the
-  order they run;
-- `notif_routes`: decoded notification type (`kvconnector.wire`) -> handler
+  receives (D side). Each half has `poll()`, `needs_poll()`, `table_sizes()` and a `done` set
+  of request ids whose blocks may be freed; the sink also has `next_deadline()`,
+  `finished_recving` and `failed_recving`. With `prune_idle` both halves have
+  `addresses_in_use()`.
+- `make_inbox_routes()`: field of the scheduler's per-step metadata -> handler of one item,
+  in the order they run;
+- `make_notif_routes()`: decoded notification type (`kvconnector.wire`) -> handler
   `(message, sender agent, seen_after)`. A type without a route is counted malformed.
 
 Threads: the halves, `peers` (apart from its executors' queue) and the transport's
@@ -27,7 +28,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable
 from typing import Any
 
 from engine.kv_connector import KVConnectorOutput
@@ -44,27 +46,39 @@ NotifHandler = Callable[[Any, str, float], None]
 
 
 class TransferThread:
-    def __init__(self, name: str, transport: Any, peers: Any, source: Any, sink: Any,
-                 wake: threading.Event, clock: Callable[[], float], *,
-                 inbox_routes: Mapping[str, Callable[[Any], None]],
-                 notif_routes: Mapping[type, NotifHandler],
-                 prune_idle: bool = False) -> None:
+    name = "nixl-transfer"  # the thread's name; a mode names its own
+    prune_idle = False  # prune idle peers (both halves then have `addresses_in_use()`)
+
+    def __init__(self, transport: Any, peers: Any, source: Any, sink: Any,
+                 wake: threading.Event, clock: Callable[[], float] = time.monotonic) -> None:
         self.t = transport
         self.peers = peers
         self.source = source
         self.sink = sink
         self.wake = wake
         self.clock = clock
-        self.inbox_routes = dict(inbox_routes)
-        self.notif_routes = dict(notif_routes)
-        self.prune_idle = prune_idle
+        self.inbox_routes = self.make_inbox_routes()
+        self.notif_routes = self.make_notif_routes()
         self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.outbox: queue.SimpleQueue[KVConnectorOutput] = queue.SimpleQueue()
         self.malformed = 0
         self._last_listen = clock()  # when this side last drained its notifications
         self._next_prune = clock() + _PRUNE_EVERY_S
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+
+    # --- the mode's policy --------------------------------------------------------
+    def make_inbox_routes(self) -> dict[str, Callable[[Any], None]]:
+        """Field of the scheduler's per-step metadata -> handler of one item, in order."""
+        raise NotImplementedError
+
+    def make_notif_routes(self) -> dict[type, NotifHandler]:
+        """Decoded notification type -> handler; a type without one is counted malformed."""
+        raise NotImplementedError
+
+    def counters(self) -> dict[str, float]:
+        """The mode's cumulative counters (a fresh dict; read racily, as Prometheus does)."""
+        raise NotImplementedError
 
     # --- engine thread ------------------------------------------------------------
     def start(self) -> None:
@@ -74,10 +88,6 @@ class TransferThread:
         self._stop = True
         self.wake.set()
         self._thread.join(timeout=5)
-
-    def counters(self) -> dict[str, float]:
-        """The mode's cumulative counters (a fresh dict; read racily, as Prometheus does)."""
-        raise NotImplementedError
 
     def submit(self, meta: Any) -> None:
         """Hand the scheduler's per-step metadata over (only when it brings work)."""

@@ -7,37 +7,37 @@ sleeps until the next heartbeat is due.
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 from kvconnector import wire
-from kvconnector.peers import Peers
 from kvconnector.pull.lender import Lender
 from kvconnector.pull.reader import Reader
-from kvconnector.transfer_thread import TransferThread
+from kvconnector.transfer_thread import NotifHandler, TransferThread
 
 
 class PullThread(TransferThread):
-    def __init__(self, transport: Any, peers: Peers, lender: Lender, reader: Reader,
-                 wake: threading.Event, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(
-            "nixl-pull-reader", transport, peers, lender, reader, wake, clock,
-            inbox_routes={  # PullMeta field -> handler
-                "leases": lender.on_lease,
-                "claims": reader.on_claim,
-                "reads": reader.on_read,
-                "abandoned": reader.on_abandoned,
-                "released": reader.on_released,
-            },
-            notif_routes={
-                wire.Heartbeat: lambda m, _a, _s: lender.on_heartbeat(list(m.transfer_ids)),
-                wire.Completion: lambda m, _a, _s: lender.on_completion(m.request_id),
-            },
-        )
-        self.lender = lender
-        self.reader = reader
+    """`PullThread(transport, peers, lender, reader, wake, clock)`."""
+
+    name = "nixl-pull-reader"
+    source: Lender
+    sink: Reader
+
+    def make_inbox_routes(self) -> dict[str, Callable[[Any], None]]:
+        return {  # PullMeta field -> handler
+            "leases": self.source.on_lease,
+            "claims": self.sink.on_claim,
+            "reads": self.sink.on_read,
+            "abandoned": self.sink.on_abandoned,
+            "released": self.sink.on_released,
+        }
+
+    def make_notif_routes(self) -> dict[type, NotifHandler]:
+        lender = self.source  # P is passive: D's notifications only touch its leases
+        return {
+            wire.Heartbeat: lambda m, _agent, _seen: lender.on_heartbeat(list(m.transfer_ids)),
+            wire.Completion: lambda m, _agent, _seen: lender.on_completion(m.request_id),
+        }
 
     def counters(self) -> dict[str, float]:
-        return dict(self.lender.stats)  # one dict, shared by both halves
+        return dict(self.source.stats)  # one dict, shared by both halves
