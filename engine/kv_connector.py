@@ -14,9 +14,12 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from engine.sched.request import RequestStatus
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,18 @@ class KVCacheSpec:
     dtype: str
     bytes_per_block: int  # one block across every layer, K and V (contiguous)
     model_name: str
+
+
+class ConnectorRequest(Protocol):
+    """What a scheduler half may read of a request (`engine.sched.request.Request`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: dict[str, Any] | None
+    status: RequestStatus  # `.finished_normally`: the prompt's KV is complete
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
 
 
 @dataclass
@@ -48,23 +63,23 @@ class KVConnectorScheduler:
 
     load_failure_policy: str = "recompute"
 
-    def on_request_added(self, request: Any) -> None:
+    def on_request_added(self, request: ConnectorRequest) -> None:
         """A request entered the scheduler (before any block is allocated for it)."""
         return None
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         """Tokens the remote side will provide beyond the local hit, and whether async."""
         return 0, False
 
-    def update_state_after_alloc(self, request: Any, block_ids: list[int],
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int],
                                  num_external_tokens: int) -> None:
         return None
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         return None
 
-    def request_finished(self, request: Any, block_ids: list[int]
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         """Return (delay_free, kv_transfer_params for the final output)."""
         return False, None
