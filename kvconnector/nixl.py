@@ -57,7 +57,7 @@ from kvconnector.handshake import AgentMetadata, HandshakeError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AgentMetadata", "FaultInjection", "NixlTransport", "PeerConflict", "TransferError",
+__all__ = ["FaultInjection", "NixlTransport", "PeerConflict", "TransferError",
            "XferHandle", "count_runs"]
 
 _NOTIF_KINDS = (*wire.TAGS, wire.COMPLETION)
