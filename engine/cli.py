@@ -21,7 +21,7 @@ _COMMANDS = {
 }
 _BENCH = {
     "offline": ("engine.bench.offline", "add_args", "main", "LLM.generate vs transformers"),
-    "step": ("engine.core.bench_step", "add_args", "main", "step time: ZeroMQ vs in-process"),
+    "step": ("engine.bench.step", "add_args", "main", "step time: ZeroMQ vs in-process"),
     "serve": ("engine.bench.serve", "add_args", "main", "load generator for an endpoint"),
     "transfer": ("kvconnector.bench_transfer", "add_args", "main", "KV transfer bandwidth"),
     "linear": ("engine.bench.linear", "add_args", "main", "decode-size matmuls: MKL vs kernel"),

@@ -5,8 +5,8 @@ A connector has two halves that live in the same EngineCore process (TP = 1):
   `update_from_output()`;
 - the worker half runs on the same thread inside `ModelRunner.execute_model()`, and may
   own background threads of its own (the push writer).
-The engine knows connectors only by name (`kv_transfer_config.kv_connector`); the
-`kvconnector` package registers its classes here on import.
+The engine knows connectors only by name (`kv_transfer_config.kv_connector`), mapped below
+to the `kvconnector` module that builds them.
 """
 
 from __future__ import annotations
@@ -14,9 +14,12 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from engine.sched.request import RequestStatus
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,18 @@ class KVCacheSpec:
     dtype: str
     bytes_per_block: int  # one block across every layer, K and V (contiguous)
     model_name: str
+
+
+class ConnectorRequest(Protocol):
+    """What a scheduler half may read of a request (`engine.sched.request.Request`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: dict[str, Any] | None
+    status: RequestStatus  # `.finished_normally`: the prompt's KV is complete
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
 
 
 @dataclass
@@ -48,23 +63,23 @@ class KVConnectorScheduler:
 
     load_failure_policy: str = "recompute"
 
-    def on_request_added(self, request: Any) -> None:
+    def on_request_added(self, request: ConnectorRequest) -> None:
         """A request entered the scheduler (before any block is allocated for it)."""
         return None
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         """Tokens the remote side will provide beyond the local hit, and whether async."""
         return 0, False
 
-    def update_state_after_alloc(self, request: Any, block_ids: list[int],
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int],
                                  num_external_tokens: int) -> None:
         return None
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         return None
 
-    def request_finished(self, request: Any, block_ids: list[int]
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         """Return (delay_free, kv_transfer_params for the final output)."""
         return False, None
@@ -105,49 +120,40 @@ class KVConnectorWorker:
         return None
 
 
-# name -> "module:SchedulerClass:WorkerClass"
-_REGISTRY: dict[str, str] = {
-    "NixlConnector": "kvconnector.pull.connector:PullScheduler:PullWorker",
-    "NixlPushConnector": "kvconnector.push.connector:PushScheduler:PushWorker",
+KVParamsValidator = Callable[[dict[str, Any], Sequence[int]], None]
+
+# name -> module. A connector module offers `make(config, spec)` -> (scheduler half, worker
+# half), built together so they can share what only one of them learns (e.g. the bound
+# side-channel port), and `request_params_validator(config)` -> KVParamsValidator.
+_CONNECTORS: dict[str, str] = {
+    "NixlConnector": "kvconnector.pull.connector",
+    "NixlPushConnector": "kvconnector.push.connector",
 }
 
 
-def register_connector(name: str, target: str) -> None:
-    _REGISTRY[name] = target
-
-
-KVParamsValidator = Callable[[dict[str, Any], Sequence[int]], None]
+def _module(config: EngineConfig) -> Any | None:
+    kv = config.kv_transfer_config
+    if kv is None:
+        return None
+    if kv.kv_connector not in _CONNECTORS:
+        raise ValueError(
+            f"unknown kv_connector {kv.kv_connector!r}; known: {', '.join(sorted(_CONNECTORS))}"
+        )
+    return importlib.import_module(_CONNECTORS[kv.kv_connector])
 
 
 def kv_params_validator(config: EngineConfig) -> KVParamsValidator | None:
     """The configured connector's check of a request's kv_transfer_params against its prompt
     token ids (ValueError naming the field), run in the frontend so a bad D leg is a 400, not
-    an engine error. A connector module offers `request_params_validator(config)` (a check
-    bound to this engine's config, e.g. its KV secret) or a plain
-    `validate_request_params(params)`."""
+    an engine error. None without a known connector (the engine core refuses an unknown one)."""
     kv = config.kv_transfer_config
-    if kv is None or kv.kv_connector not in _REGISTRY:
+    if kv is None or kv.kv_connector not in _CONNECTORS:
         return None
-    module = importlib.import_module(_REGISTRY[kv.kv_connector].split(":")[0])
-    make = getattr(module, "request_params_validator", None)
-    if make is not None:
-        return make(config)
-    check = getattr(module, "validate_request_params", None)
-    if check is None:
-        return None
-    return lambda params, prompt_token_ids: check(params)
+    return _module(config).request_params_validator(config)
 
 
 def make_connector(config: EngineConfig, spec: KVCacheSpec
                    ) -> tuple[KVConnectorScheduler | None, KVConnectorWorker | None]:
     """Build both halves of the configured connector, or (None, None) without one."""
-    kv = config.kv_transfer_config
-    if kv is None:
-        return None, None
-    if kv.kv_connector not in _REGISTRY:
-        raise ValueError(
-            f"unknown kv_connector {kv.kv_connector!r}; known: {', '.join(sorted(_REGISTRY))}"
-        )
-    module_name, sched_name, worker_name = _REGISTRY[kv.kv_connector].split(":")
-    module = importlib.import_module(module_name)
-    return getattr(module, sched_name)(config, spec), getattr(module, worker_name)(config, spec)
+    module = _module(config)
+    return (None, None) if module is None else module.make(config, spec)

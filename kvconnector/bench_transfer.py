@@ -7,7 +7,7 @@ real push flow: D sends ``PUSH_REG`` for ceil(N / block_size) blocks, P (which h
 through D's side channel on the first registration) WRITEs its blocks into D's with the
 completion notification, and D waits for that completion. Both sides poll while waiting.
 
-Reported (JSON, DESIGN §3): ``bytes`` per transfer, ``descriptors`` per transfer, ``gbps``
+Reported (JSON, docs/design.md §3): ``bytes`` per transfer, ``descriptors`` per transfer, ``gbps``
 (bytes / median WRITE time on P, submit -> DONE, in GB/s = 1e9 bytes/s), ``memcpy_gbps``
 (single-thread ``torch.Tensor.copy_`` of the same number of bytes, same run) and
 ``ratio = gbps / memcpy_gbps``; plus end-to-end figures (D: PUSH_REG sent -> completion seen)

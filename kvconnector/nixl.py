@@ -20,7 +20,10 @@ transfer then only advances inside calls on this object, on BOTH agents (measure
 Writer threads therefore poll while they have work and sleep otherwise (``get_new_notifs`` costs
 ~10 us per call; polling every 1 ms costs ~4 % of a core).
 
-Threads: every agent call is serialised by one lock, so any thread may call any method.
+Threads: owned by the connector's transfer thread, which makes every transfer, notification and
+peer call; the engine thread builds it, reads :meth:`local_metadata` and calls :meth:`shutdown`
+once that thread stopped (docs/design.md §5). One lock serialises the agent calls, a guard for
+that hand-over and for tests that drive one transport from several threads.
 
 Fault injection (tests only; off unless a ``fault_injection`` dict is given). Keys:
 - ``drop_notif``: list of kinds whose outgoing notifications vanish: ``PUSH_REG``, ``PUSH_FAIL``,
@@ -55,7 +58,7 @@ from kvconnector.handshake import AgentMetadata, HandshakeError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AgentMetadata", "FaultInjection", "NixlTransport", "PeerConflict", "TransferError",
+__all__ = ["FaultInjection", "NixlTransport", "PeerConflict", "TransferError",
            "XferHandle", "count_runs"]
 
 _NOTIF_KINDS = (*wire.TAGS, wire.COMPLETION)

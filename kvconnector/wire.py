@@ -1,5 +1,5 @@
-"""Notification formats exchanged between engines through NIXL (DESIGN §3), and request-id
-normalisation.
+"""Notification formats exchanged between engines through NIXL (docs/design.md §3), and
+request-id normalisation.
 
 Every message is ``bytes``:
 

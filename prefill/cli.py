@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvconnector.roles import add_role_args, run_role
+from prefill.role import add_role_args, run_role
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

@@ -10,8 +10,8 @@ Output tokens come from the stream's final `usage` (the request asks for it with
 
 `send_completion` talks to one OpenAI-compatible server (an engine or the proxy).
 `send_pd_direct` plays the proxy's part itself — the P leg and the D leg at once, as in push
-mode (DESIGN §2) — so the proxy's own cost can be measured as the difference between the
-two on the same P and D.
+mode (docs/design.md §2) — so the proxy's own cost can be measured as the difference
+between the two on the same P and D.
 """
 
 from __future__ import annotations

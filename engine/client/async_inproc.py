@@ -15,7 +15,7 @@ import logging
 import threading
 from typing import Any
 
-from engine.client.base import EngineCoreClient, EngineDeadError
+from engine.client.base import AsyncEngineCoreClient, EngineDeadError
 from engine.client.mp_base import UtilityCallError
 from engine.config import EngineConfig
 from engine.core.busy_loop import EngineCoreLoop, InputKind
@@ -31,7 +31,7 @@ class _Stopped:
         self.error = error
 
 
-class AsyncInprocClient(EngineCoreClient):
+class AsyncInprocClient(AsyncEngineCoreClient):
     def __init__(self, config: EngineConfig, *, shutdown_timeout_s: float = 5.0) -> None:
         core = EngineCore(config)
         self.num_kv_blocks = core.num_kv_blocks
@@ -161,18 +161,6 @@ class AsyncInprocClient(EngineCoreClient):
             raise UtilityCallError(f"utility {method} failed in the engine core: "
                                    f"{out.failure_message}")
         return out.result
-
-    def add_request(self, request: EngineCoreRequest) -> None:
-        raise TypeError("AsyncInprocClient is asyncio-only: use add_request_async")
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        raise TypeError("AsyncInprocClient is asyncio-only: use abort_requests_async")
-
-    def get_output(self) -> EngineCoreOutputs:
-        raise TypeError("AsyncInprocClient is asyncio-only: use get_output_async")
-
-    def call_utility(self, method: str, *args: Any) -> Any:
-        raise TypeError("AsyncInprocClient is asyncio-only: use call_utility_async")
 
     def shutdown(self) -> None:
         """Stop the busy loop (in-flight requests get `shutdown_timeout_s` to finish)."""

@@ -14,7 +14,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from engine.client.base import EngineDeadError
+from engine.client.base import AsyncEngineCoreClient, EngineDeadError
 from engine.client.mp_base import POLL_MS, MPClientBase
 from engine.config import EngineConfig
 from engine.core.messages import UtilityCall
@@ -23,7 +23,7 @@ from engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequ
 logger = logging.getLogger(__name__)
 
 
-class AsyncMPClient(MPClientBase):
+class AsyncMPClient(MPClientBase, AsyncEngineCoreClient):
     """asyncio client; binds to the first running loop that calls one of its methods."""
 
     def __init__(self, config: EngineConfig, **kwargs: Any) -> None:
@@ -142,19 +142,6 @@ class AsyncMPClient(MPClientBase):
         finally:
             self._utility_results.pop(call_id, None)
         return self._utility_result(method, out)
-
-    # The blocking interface is not offered: AsyncLLM uses the *_async methods.
-    def add_request(self, request: EngineCoreRequest) -> None:
-        raise TypeError("AsyncMPClient is asyncio-only: use add_request_async")
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        raise TypeError("AsyncMPClient is asyncio-only: use abort_requests_async")
-
-    def get_output(self) -> EngineCoreOutputs:
-        raise TypeError("AsyncMPClient is asyncio-only: use get_output_async")
-
-    def call_utility(self, method: str, *args: Any) -> Any:
-        raise TypeError("AsyncMPClient is asyncio-only: use call_utility_async")
 
     def shutdown(self) -> None:
         """Safe from the loop thread, another thread, or after the loop stopped or closed."""

@@ -16,9 +16,18 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineCoreClient(ABC):
-    """Frontend → EngineCore. Sync methods for LLMEngine; `*_async` ones for AsyncLLM."""
+    """Frontend → EngineCore: what every client offers. A client is either blocking
+    (`SyncEngineCoreClient`, for LLMEngine) or asyncio (`AsyncEngineCoreClient`, for
+    AsyncLLM), never both."""
 
     num_kv_blocks: int = 0
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+
+class SyncEngineCoreClient(EngineCoreClient):
+    """Blocking client; its methods are called from the frontend's one thread."""
 
     @abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None: ...
@@ -33,17 +42,19 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def call_utility(self, method: str, *args: Any) -> Any: ...
 
+
+class AsyncEngineCoreClient(EngineCoreClient):
+    """asyncio client; its coroutines run on the frontend's event loop."""
+
     @abstractmethod
-    def shutdown(self) -> None: ...
+    async def add_request_async(self, request: EngineCoreRequest) -> None: ...
 
-    async def add_request_async(self, request: EngineCoreRequest) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    async def abort_requests_async(self, request_ids: list[str]) -> None: ...
 
-    async def abort_requests_async(self, request_ids: list[str]) -> None:
-        raise NotImplementedError
-
+    @abstractmethod
     async def get_output_async(self) -> EngineCoreOutputs:
-        raise NotImplementedError
+        """Next batch of outputs (waits until there is one)."""
 
-    async def call_utility_async(self, method: str, *args: Any) -> Any:
-        raise NotImplementedError
+    @abstractmethod
+    async def call_utility_async(self, method: str, *args: Any) -> Any: ...

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.client.base import EngineCoreClient
+from engine.client.base import SyncEngineCoreClient
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.protocol import EngineCoreOutputs, EngineCoreRequest
@@ -12,7 +12,7 @@ from engine.protocol import EngineCoreOutputs, EngineCoreRequest
 _UTILITIES = ("reset_prefix_cache", "get_supported_tasks", "get_stats", "debug_prompt_kv")
 
 
-class InprocClient(EngineCoreClient):
+class InprocClient(SyncEngineCoreClient):
     def __init__(self, config: EngineConfig) -> None:
         self.core = EngineCore(config)
         self.num_kv_blocks = self.core.num_kv_blocks

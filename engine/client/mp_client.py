@@ -3,8 +3,8 @@
 - `SyncMPClient` (LLM / LLMEngine): a reader thread "EngineCoreOutputReader_<i>" moves
   outputs from the PULL socket to a queue; `get_output()` blocks on it; `call_utility()`
   blocks on a future resolved by the reader.
-- `AsyncMPClient` (AsyncLLM): asyncio sockets and one reader task in the running loop;
-  `*_async` methods. It binds to the first event loop that uses it.
+- `AsyncMPClient` (AsyncLLM, in async_mp_client.py): asyncio sockets and one reader task
+  in the running loop; `*_async` methods. It binds to the first event loop that uses it.
 
 Death (invariant 5, nothing hangs): the client notices
 - the ENGINE_CORE_DEAD sentinel on the output socket, and
@@ -25,19 +25,18 @@ from typing import Any
 
 import zmq
 
-from engine.client.async_mp_client import AsyncMPClient, cancel_task
-from engine.client.base import EngineDeadError
+from engine.client.base import EngineDeadError, SyncEngineCoreClient
 from engine.client.mp_base import POLL_MS, MPClientBase, UtilityCallError
 from engine.config import EngineConfig
 from engine.core.messages import UtilityCall
 from engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 
-__all__ = ["AsyncMPClient", "SyncMPClient", "UtilityCallError", "cancel_task"]
+__all__ = ["SyncMPClient", "UtilityCallError"]
 
 logger = logging.getLogger(__name__)
 
 
-class SyncMPClient(MPClientBase):
+class SyncMPClient(MPClientBase, SyncEngineCoreClient):
     """Blocking client. Thread-safe: any thread may add, abort, call utilities or read."""
 
     def __init__(self, config: EngineConfig, **kwargs: Any) -> None:

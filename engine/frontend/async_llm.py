@@ -24,7 +24,7 @@ from typing import Any
 
 from engine.client import make_client
 from engine.client.async_mp_client import cancel_task
-from engine.client.base import EngineCoreClient, EngineDeadError
+from engine.client.base import AsyncEngineCoreClient, EngineDeadError
 from engine.config import EngineConfig
 from engine.frontend.input_processor import (
     InputProcessor,
@@ -55,7 +55,7 @@ class AsyncLLM:
         *,
         multiprocess: bool = True,
         stat_loggers: list[StatLogger] | None = None,
-        client: EngineCoreClient | None = None,
+        client: AsyncEngineCoreClient | None = None,
     ) -> None:
         self.config = config
         self.model_name = config.model_name

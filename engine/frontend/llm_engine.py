@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from engine.client.base import EngineCoreClient
+from engine.client.base import SyncEngineCoreClient
 from engine.config import EngineConfig
 from engine.frontend.input_processor import InputProcessor
 from engine.frontend.output_processor import OutputProcessor, ParentRequest
@@ -16,7 +16,7 @@ from engine.models.tokenizer import Tokenizer
 from engine.protocol import SamplingParams
 
 
-def make_engine_client(config: EngineConfig, multiprocess: bool) -> EngineCoreClient:
+def make_engine_client(config: EngineConfig, multiprocess: bool) -> SyncEngineCoreClient:
     if multiprocess:
         from engine.client import make_client
 

@@ -24,6 +24,11 @@ class RequestStatus(enum.IntEnum):
         return self > RequestStatus.PREEMPTED
 
     @property
+    def finished_normally(self) -> bool:
+        """Stopped or length-capped: the prompt was fully computed (not aborted, no error)."""
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+    @property
     def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASONS.get(self)
 

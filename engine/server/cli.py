@@ -39,7 +39,8 @@ _ENGINE_FLAGS = (
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of `pdserve serve` (DESIGN §3). Engine flags default to None = EngineConfig's."""
+    """Flags of `pdserve serve` (docs/design.md §3). Engine flags default to None, i.e. to
+    EngineConfig's defaults."""
     parser.add_argument("model", metavar="MODEL_DIR", help="local Hugging Face model directory")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)

@@ -14,9 +14,10 @@ Modules:
 - signing.py    with a KV secret: P signs its answer, D admits only signed params for its
                 prompt within P's lease (docs/security.md).
 - meta.py       PullMeta (scheduler → worker each step), prompt digest.
-- endpoint.py   engine id and side-channel address shared by the two halves.
-- connector.py  PullWorker — worker half: NIXL transport, side channel, thread.
-- thread.py     the `nixl-pull-reader` thread (inbox, notifications, polls, outbox).
+- connector.py  assembly: `make` builds PullScheduler and PullWorker (the shared
+                `kvconnector.worker.NixlWorker` with Lender and Reader) around one
+                `kvconnector.endpoint.Endpoint`.
+- thread.py     PullThread — the shared transfer thread's pull routes (`nixl-pull-reader`).
 - lender.py     P side: leases, heartbeats, completions, expiry.
-- reader.py     D side: claims, handshakes (push.peers.Peers), READs, heartbeats.
+- reader.py     D side: claims, handshakes (kvconnector.peers.Peers), READs, heartbeats.
 """

@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvconnector import wire
+from kvconnector.endpoint import Endpoint
 from kvconnector.params import validate_kv_transfer_params
 from kvconnector.pull import signing
-from kvconnector.pull.endpoint import Endpoint
 from kvconnector.security import KVSecurity
 
 RequestParamsValidator = Callable[[dict[str, Any], Sequence[int]], None]

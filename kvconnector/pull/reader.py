@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvconnector import wire
+from kvconnector.outbox import Outbox
+from kvconnector.peers import Peers
 from kvconnector.pull.meta import Address, Claim, Read
-from kvconnector.push.peers import Peers
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class Reader:
         self.unsent: dict[str, Read] = {}  # waiting for the handshake with P
         self.inflight: dict[str, Inflight] = {}
         self.released: set[str] = set()  # the scheduler let go while the READ runs
-        self.outbox: list[tuple[Address, bytes]] = []  # completions waiting for P's peer
+        self.outbox = Outbox(transport, peers)  # completions waiting for P's peer
         self.finished_recving: set[str] = set()
         self.failed_recving: dict[str, str] = {}
         self.done: set[str] = set()
@@ -94,7 +95,7 @@ class Reader:
         now = self.clock()
         self._post_unsent(now)
         self._check_inflight(now)
-        self._flush_outbox()
+        self.outbox.flush()
         if now >= self._next_hb:
             self._next_hb = now + self.hb_interval
             self._heartbeat()
@@ -174,26 +175,7 @@ class Reader:
 
     def _return_lease(self, claim: Claim) -> None:
         """Tell P its blocks are no longer needed (once P is reachable)."""
-        self.outbox.append((claim.addr, wire.encode_completion(claim.remote_request_id, 1)))
-        self._flush_outbox()
-
-    def _flush_outbox(self) -> None:
-        keep = []
-        for addr, msg in self.outbox:
-            peer = self.peers.get(addr)
-            if peer.status == "pending":
-                keep.append((addr, msg))
-                continue
-            if peer.status == "ready":
-                try:
-                    self.t.send_notif(peer.agent_name, msg)
-                    continue
-                except Exception as e:  # noqa: BLE001 - P's lease expiry still frees
-                    logger.warning("completion to P %s:%d failed: %s", *addr, e)
-            else:
-                logger.warning("completion to unreachable P %s:%d dropped; its lease "
-                               "expiry frees the blocks", *addr)
-        self.outbox = keep
+        self.outbox.send(claim.addr, wire.encode_completion(claim.remote_request_id, 1))
 
     def _heartbeat(self) -> None:
         by_peer: dict[Address, list[str]] = {}

@@ -29,53 +29,44 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.kv_connector import KVCacheSpec, KVConnectorOutput, KVConnectorScheduler
+from engine.kv_connector import ConnectorRequest, KVCacheSpec
+from kvconnector.endpoint import Endpoint
 from kvconnector.pull import signing
-from kvconnector.pull.endpoint import endpoint_for
 from kvconnector.pull.meta import Claim, Lease, PullMeta, Read, prompt_digest
 from kvconnector.pull.params import (
     carriable_request_id,
     prefill_answer,
     validate_request_params,
 )
+from kvconnector.scheduler_half import TransferScheduler
 from kvconnector.security import KVSecurity
 
 logger = logging.getLogger(__name__)
 
-_FINISHED_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 _LEASE_MARGIN_S = signing.LEASE_MARGIN_S  # clock skew, and the first heartbeat reaching P
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+class PullScheduler(TransferScheduler):
+    meta_type = PullMeta
 
-
-class PullScheduler(KVConnectorScheduler):
     def __init__(self, config: EngineConfig, spec: KVCacheSpec,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
-        kv = config.kv_transfer_config
-        assert kv is not None
-        self.block_size = spec.block_size
-        self.clock = clock
+                 wall_clock: Callable[[], float] = time.time,
+                 endpoint: Endpoint | None = None) -> None:
+        super().__init__(config, spec, clock)
+        kv = self.kv
         self.wall_clock = wall_clock  # lease_expires_at crosses hosts: wall time
-        self.endpoint = endpoint_for(config)
+        self.endpoint = endpoint or Endpoint.from_config(kv)  # the worker binds its port
         self.security = KVSecurity.from_config(kv, warn=False)
         self.lease = float(kv.extra("kv_lease_duration", 30.0))
-        self.load_failure_policy = kv.extra("kv_load_failure_policy", "recompute")
-        if self.load_failure_policy not in ("recompute", "fail"):
-            raise ValueError("kv_load_failure_policy must be 'recompute' or 'fail'")
-        self._meta = PullMeta()
         self._accepted: dict[str, Claim] = {}  # D: claim made, READ not over
         self._reading: dict[str, int] = {}  # D: READ staged/in flight -> tokens it brings
-        self._held: set[str] = set()  # blocks wait for the worker's finished_sending
         # (P engine, P request) -> until when a second claim is refused (inf: active).
         self._claimed: dict[tuple[str, str], float] = {}
-        self.stats = {"kv_remote_prefill_tokens_total": 0, "kv_recompute_fallback_total": 0,
-                      "kv_pull_refused_params_total": 0}
+        self.stats["kv_pull_refused_params_total"] = 0
 
     # --- D side -------------------------------------------------------------------
-    def on_request_added(self, request: Any) -> None:
+    def on_request_added(self, request: ConnectorRequest) -> None:
         p = request.kv_transfer_params
         if not isinstance(p, dict) or not p.get("do_remote_prefill"):
             return
@@ -91,7 +82,7 @@ class PullScheduler(KVConnectorScheduler):
         self._accepted[request.request_id] = claim
         self._meta.claims.append(claim)
 
-    def _refusal(self, request: Any, p: dict[str, Any]) -> str | None:
+    def _refusal(self, request: ConnectorRequest, p: dict[str, Any]) -> str | None:
         """Why these params must not load this request's KV, or None when they fit."""
         try:
             validate_request_params(p)
@@ -106,7 +97,7 @@ class PullScheduler(KVConnectorScheduler):
             return f"P's tp_size {p['tp_size']} is not supported (pull reads from tp_size 1)"
         if p["num_prompt_tokens"] != n:
             return f"P prefilled {p['num_prompt_tokens']} tokens, this prompt has {n}"
-        if len(p["remote_block_ids"]) != cdiv(n, self.block_size):
+        if len(p["remote_block_ids"]) != self.num_blocks(n):
             return (f"P lists {len(p['remote_block_ids'])} blocks for {n} tokens at block "
                     f"size {self.block_size}")
         digest = p.get("prompt_digest")
@@ -121,14 +112,14 @@ class PullScheduler(KVConnectorScheduler):
                     "are read once)")
         return None
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
         rid = request.request_id
         if rid not in self._accepted or rid in self._reading:
             return 0, False
         return request.num_prompt_tokens - num_computed_tokens, True
 
-    def update_state_after_alloc(self, request: Any, block_ids: list[int],
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int],
                                  num_external_tokens: int) -> None:
         rid = request.request_id
         claim = self._accepted.get(rid)
@@ -139,22 +130,20 @@ class PullScheduler(KVConnectorScheduler):
             return
         remote = request.kv_transfer_params["remote_block_ids"]
         first = (request.num_prompt_tokens - num_external_tokens) // self.block_size
-        last = cdiv(request.num_prompt_tokens, self.block_size)
+        last = self.num_blocks(request.num_prompt_tokens)
         self._meta.reads.append(Read(claim, list(block_ids[first:last]),
                                      list(remote[first:last]), first))
         self._reading[rid] = num_external_tokens - 1  # the last token is recomputed
 
     # --- both sides ---------------------------------------------------------------
-    def build_connector_meta(self, scheduler_output: Any) -> PullMeta:
+    def _before_meta(self) -> None:
         if self._claimed:
             now = self.clock()
             for key, until in list(self._claimed.items()):
                 if until <= now:
                     del self._claimed[key]
-        meta, self._meta = self._meta, PullMeta()
-        return meta
 
-    def request_finished(self, request: Any, block_ids: list[int]
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         if rid in self._reading:  # D: the READ may still land in these blocks
@@ -171,12 +160,12 @@ class PullScheduler(KVConnectorScheduler):
             return self._lease(request, block_ids, params)
         return False, None
 
-    def _lease(self, request: Any, block_ids: list[int], params: dict[str, Any]
+    def _lease(self, request: ConnectorRequest, block_ids: list[int], params: dict[str, Any]
                ) -> tuple[bool, dict[str, Any] | None]:
         """P: keep the prompt blocks for D and answer with where to read them."""
         rid = request.request_id
-        n = cdiv(request.num_prompt_tokens, self.block_size)
-        if request.status.name not in _FINISHED_OK:
+        n = self.num_blocks(request.num_prompt_tokens)
+        if not request.status.finished_normally:
             return False, None
         if len(block_ids) < n or not carriable_request_id(rid) or not self.endpoint.port:
             logger.warning("request %s: cannot lease its KV for a pull (%d of %d blocks, "
@@ -203,26 +192,20 @@ class PullScheduler(KVConnectorScheduler):
             key = (claim.remote_engine_id, claim.remote_request_id)
             self._claimed[key] = self.clock() + 2 * self.lease
 
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
-        for rid in output.failed_recving:  # first: a failure wins over a receipt
-            if self._reading.pop(rid, None) is not None:
-                self._end_claim(rid)
-                if self.load_failure_policy == "recompute":
-                    self.stats["kv_recompute_fallback_total"] += 1
-        for rid in output.finished_recving:
-            tokens = self._reading.pop(rid, None)
-            if tokens is not None:
-                self.stats["kv_remote_prefill_tokens_total"] += tokens
-                self._end_claim(rid)
-        for rid in output.finished_sending:
-            self._held.discard(rid)
+    def _recv_failed(self, request_id: str) -> bool:
+        if self._reading.pop(request_id, None) is None:
+            return False
+        self._end_claim(request_id)
+        return True
 
-    def has_pending_work(self) -> bool:
-        return bool(self._held or self._meta.brings_work())
+    def _recv_done(self, request_id: str) -> int:
+        tokens = self._reading.pop(request_id, None)
+        if tokens is None:
+            return 0
+        self._end_claim(request_id)
+        return tokens
 
     def table_sizes(self) -> dict[str, int]:
         return {"pull_sched_held": len(self._held), "pull_sched_accepted": len(self._accepted),
                 "pull_sched_reading": len(self._reading)}
 
-    def get_stats(self) -> dict[str, float]:
-        return dict(self.stats)

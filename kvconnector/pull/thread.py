@@ -1,77 +1,43 @@
-"""The `nixl-pull-reader` thread: sole owner of this worker's NIXL notifications and READs.
+"""The `nixl-pull-reader` thread: the shared transfer thread with pull mode's routes.
 
-Wakes on its event: `start_load_kv` (only when the step brings new work), `get_finished`
-(every step), a finished handshake, or its own timer. It polls every 1 ms only while work
-is outstanding (D: READs staged or in flight, completions waiting for a peer; P: leased
-blocks, which a READ progresses on only while P is polled too; handshakes pending) and
-otherwise sleeps until the next heartbeat is due, so an idle engine costs no CPU.
-Cross-thread hand-off: one inbox in, one outbox out.
+It self-polls while D has READs staged or in flight or completions waiting for a peer, or P
+holds leased blocks (a READ of them progresses only while P is polled too), and otherwise
+sleeps until the next heartbeat is due.
 """
 
 from __future__ import annotations
 
-import logging
-import queue
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 from kvconnector import wire
 from kvconnector.pull.lender import Lender
 from kvconnector.pull.reader import Reader
-from kvconnector.push.peers import Peers
-from kvconnector.wake_thread import WakeThread
-
-logger = logging.getLogger(__name__)
+from kvconnector.transfer_thread import NotifHandler, TransferThread
 
 
-class PullThread(WakeThread):
-    def __init__(self, transport: Any, peers: Peers, lender: Lender, reader: Reader,
-                 wake: threading.Event, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__("nixl-pull-reader", transport, peers, lender, reader, wake, clock)
-        self.lender = lender
-        self.reader = reader
+class PullThread(TransferThread):
+    """`PullThread(transport, peers, lender, reader, wake, clock)`."""
 
-    def step(self) -> None:
-        """One pass: handshakes, scheduler work, inbound notifs, polls, results out."""
-        self.peers.apply_finished()
-        self._drain_inbox()
-        for agent, raw in self.t.get_new_notifs():
-            self._dispatch(agent, raw)
-        self.lender.poll()
-        self.reader.poll()
-        self._publish()
+    name = "nixl-pull-reader"
+    source: Lender
+    sink: Reader
 
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                meta = self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            for lease in meta.leases:
-                self.lender.on_lease(lease)
-            for claim in meta.claims:
-                self.reader.on_claim(claim)
-            for read in meta.reads:
-                self.reader.on_read(read)
-            for rid in meta.abandoned:
-                self.reader.on_abandoned(rid)
-            for rid in meta.released:
-                self.reader.on_released(rid)
+    def make_inbox_routes(self) -> dict[str, Callable[[Any], None]]:
+        return {  # PullMeta field -> handler
+            "leases": self.source.on_lease,
+            "claims": self.sink.on_claim,
+            "reads": self.sink.on_read,
+            "abandoned": self.sink.on_abandoned,
+            "released": self.sink.on_released,
+        }
 
-    def _dispatch(self, agent: str, raw: bytes) -> None:
-        try:
-            msg = wire.decode_notif(raw)
-        except wire.MalformedNotif as e:
-            self.malformed += 1
-            logger.warning("malformed notification from %s dropped (%s)", agent, e)
-            return
-        if isinstance(msg, wire.Heartbeat):
-            self.lender.on_heartbeat(list(msg.transfer_ids))
-        elif isinstance(msg, wire.Completion):
-            self.lender.on_completion(msg.request_id)
-        else:
-            self.malformed += 1
-            logger.warning("%s from %s dropped: not a pull-mode notification",
-                           type(msg).__name__, agent)
+    def make_notif_routes(self) -> dict[type, NotifHandler]:
+        lender = self.source  # P is passive: D's notifications only touch its leases
+        return {
+            wire.Heartbeat: lambda m, _agent, _seen: lender.on_heartbeat(list(m.transfer_ids)),
+            wire.Completion: lambda m, _agent, _seen: lender.on_completion(m.request_id),
+        }
+
+    def counters(self) -> dict[str, float]:
+        return dict(self.source.stats)  # one dict, shared by both halves

@@ -9,10 +9,10 @@ Modules:
                 blocks (P and D) are freed only when the worker reports the id in
                 `finished_sending` — only the worker knows when no WRITE can touch them.
 - meta.py       PushMeta — what the scheduler half hands the worker each step.
-- connector.py  PushWorker — worker half: NIXL transport, side channel, writer thread.
-- writer.py     the `nixl-push-writer` thread: wakes on its event, drains the inbox,
-                dispatches inbound notifications, polls Sender and Receiver, publishes
-                finished/failed ids. Polls every 1 ms only while work is outstanding.
+- connector.py  assembly: `make` builds PushScheduler and PushWorker (the shared
+                `kvconnector.worker.NixlWorker` with Sender and Receiver).
+- writer.py     PushWriter — the shared transfer thread's push routes (`nixl-push-writer`):
+                which metadata field and which notification goes to which half.
 - sender.py     P side: matching tables (by transfer_id when both sides carry one, else —
                 neither does, vLLM's push protocol — exact id, then base id; always the
                 same prompt digest, PUSH_FAIL otherwise), leases extended by HB (transfer
@@ -25,6 +25,8 @@ Modules:
                 completion → finished_recving, PUSH_FAIL / watchdog / dead P →
                 failed_recving (the scheduler applies `kv_load_failure_policy`),
                 quarantine after PUSH_CANCEL until ACK or `2 * ttl + grace` since sending.
-- peers.py      side-channel handshakes on an executor, applied on the writer thread;
-                liveness probes.
+
+Shared with pull mode (kvconnector/): the worker shell (worker.py), the transfer thread
+(transfer_thread.py), peers and liveness probes (peers.py), the outbox (outbox.py), the
+scheduler-half base (scheduler_half.py). The state machines: docs/design.md §6.
 """

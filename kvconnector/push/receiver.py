@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvconnector import wire
+from kvconnector.peers import ALIVE, GONE, Address, Peers
 from kvconnector.push.meta import Queued, Registration
-from kvconnector.push.peers import ALIVE, GONE, Address, Peers
 
 logger = logging.getLogger(__name__)
 

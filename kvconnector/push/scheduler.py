@@ -18,39 +18,29 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.kv_connector import KVCacheSpec, KVConnectorOutput, KVConnectorScheduler
+from engine.kv_connector import ConnectorRequest, KVCacheSpec
 from kvconnector.params import transfer_id_of, validate_kv_transfer_params
 from kvconnector.push.meta import FinishedBlocks, PushMeta, Queued, Registration
+from kvconnector.scheduler_half import TransferScheduler
 from kvconnector.security import prompt_digest
 
 logger = logging.getLogger(__name__)
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+class PushScheduler(TransferScheduler):
+    meta_type = PushMeta
 
-
-class PushScheduler(KVConnectorScheduler):
     def __init__(self, config: EngineConfig, spec: KVCacheSpec,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        kv = config.kv_transfer_config
-        assert kv is not None
-        self.block_size = spec.block_size
-        self.clock = clock
-        self.registration_timeout = float(kv.extra("push_registration_timeout", 480.0))
-        self.load_failure_policy = kv.extra("kv_load_failure_policy", "recompute")
-        if self.load_failure_policy not in ("recompute", "fail"):
-            raise ValueError("kv_load_failure_policy must be 'recompute' or 'fail'")
+        super().__init__(config, spec, clock)
+        self.registration_timeout = float(self.kv.extra("push_registration_timeout", 480.0))
         self._asked: set[str] = set()  # D: requests already offered a remote load
-        self._meta = PushMeta()
         self._deadlines: dict[str, float] = {}  # D: registration watchdog
-        self._held: set[str] = set()  # requests whose blocks wait for the worker's word
         self._remote_tokens: dict[str, int] = {}  # D: prompt tokens P computes for us
-        self.stats = {"kv_remote_prefill_tokens_total": 0, "kv_recompute_fallback_total": 0,
-                      "kv_registration_expired_total": 0}
+        self.stats["kv_registration_expired_total"] = 0
 
     # --- D side -------------------------------------------------------------------
-    def _remote_params(self, request: Any) -> dict[str, Any] | None:
+    def _remote_params(self, request: ConnectorRequest) -> dict[str, Any] | None:
         """The request's D-leg params, or None; bad params mean a local prefill."""
         p = request.kv_transfer_params
         if not p or not p.get("do_remote_prefill"):
@@ -62,7 +52,7 @@ class PushScheduler(KVConnectorScheduler):
             return None
         return p
 
-    def on_request_added(self, request: Any) -> None:
+    def on_request_added(self, request: ConnectorRequest) -> None:
         p = self._remote_params(request)
         if p is not None:
             self._meta.queued.append(Queued(request.request_id, transfer_id_of(p),
@@ -70,7 +60,7 @@ class PushScheduler(KVConnectorScheduler):
                                             p["remote_port"]))
             self._held.add(request.request_id)
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
         # Marked as asked only once blocks are allocated (update_state_after_alloc): when
         # allocation fails the scheduler asks again next step and must get the same answer.
@@ -78,14 +68,14 @@ class PushScheduler(KVConnectorScheduler):
             return 0, False
         return request.num_prompt_tokens - num_computed_tokens, True
 
-    def update_state_after_alloc(self, request: Any, block_ids: list[int],
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int],
                                  num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
         self._asked.add(request.request_id)
         p = request.kv_transfer_params
         first = (request.num_prompt_tokens - num_external_tokens) // self.block_size
-        last = cdiv(request.num_prompt_tokens, self.block_size)
+        last = self.num_blocks(request.num_prompt_tokens)
         reg = Registration(
             request_id=request.request_id, transfer_id=transfer_id_of(p),
             local_block_ids=list(block_ids[first:last]), first_block_index=first,
@@ -101,7 +91,7 @@ class PushScheduler(KVConnectorScheduler):
             self.block_size)
 
     # --- both sides ---------------------------------------------------------------
-    def build_connector_meta(self, scheduler_output: Any) -> PushMeta:
+    def _before_meta(self) -> None:
         now = self.clock()
         for rid, deadline in list(self._deadlines.items()):
             if now >= deadline:
@@ -110,10 +100,8 @@ class PushScheduler(KVConnectorScheduler):
                 del self._deadlines[rid]
                 self._meta.watchdog_expired.append(rid)
                 self.stats["kv_registration_expired_total"] += 1
-        meta, self._meta = self._meta, PushMeta()
-        return meta
 
-    def request_finished(self, request: Any, block_ids: list[int]
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         params = request.kv_transfer_params or {}
@@ -126,8 +114,8 @@ class PushScheduler(KVConnectorScheduler):
         if not params.get("do_remote_decode"):
             return False, None
         transfer_id = transfer_id_of(params) or None
-        if request.status.name in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"):
-            n = cdiv(request.num_prompt_tokens, self.block_size)
+        if request.status.finished_normally:
+            n = self.num_blocks(request.num_prompt_tokens)
             self._meta.finished_blocks.append(
                 FinishedBlocks(rid, transfer_id, list(block_ids[:n]), request.num_prompt_tokens,
                                prompt_digest(request.prompt_token_ids))
@@ -137,24 +125,16 @@ class PushScheduler(KVConnectorScheduler):
         self._meta.aborted.append((rid, transfer_id))
         return False, None
 
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
-        for rid in output.finished_recving:
-            self._deadlines.pop(rid, None)
-            self.stats["kv_remote_prefill_tokens_total"] += self._remote_tokens.pop(rid, 0)
-        for rid in output.failed_recving:
-            self._deadlines.pop(rid, None)
-            self._remote_tokens.pop(rid, None)
-            if self.load_failure_policy == "recompute":
-                self.stats["kv_recompute_fallback_total"] += 1
-        for rid in output.finished_sending:
-            self._held.discard(rid)
+    def _recv_done(self, request_id: str) -> int:
+        self._deadlines.pop(request_id, None)
+        return self._remote_tokens.pop(request_id, 0)
 
-    def has_pending_work(self) -> bool:
-        return bool(self._held or self._meta.brings_work())
+    def _recv_failed(self, request_id: str) -> bool:
+        self._deadlines.pop(request_id, None)
+        self._remote_tokens.pop(request_id, None)
+        return True  # every failed receipt falls back (or fails) in the engine's scheduler
 
     def table_sizes(self) -> dict[str, int]:
         return {"sched_held": len(self._held), "sched_deadlines": len(self._deadlines),
                 "sched_asked": len(self._asked), "sched_remote_tokens": len(self._remote_tokens)}
 
-    def get_stats(self) -> dict[str, float]:
-        return dict(self.stats)

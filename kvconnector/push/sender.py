@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvconnector import wire
+from kvconnector.outbox import Outbox
+from kvconnector.peers import Peers
 from kvconnector.push.meta import FinishedBlocks, heartbeat_id
-from kvconnector.push.peers import Peers
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +106,8 @@ class Sender:
         self.ready: list[tuple[str, str]] = []  # (P id, D id) matched, waiting for D's peer
         self.inflight: dict[str, Inflight] = {}  # P request id -> WRITE
         self.tombstones: dict[str, float] = {}  # _tomb_key of a transfer P gave up on -> expiry
-        # notifs waiting for a peer: (D address, message, agent it must serve or None)
-        self.outbox: list[tuple[tuple[str, int], bytes, str | None]] = []
+        self.outbox = Outbox(transport, peers, MAX_OUTBOX,  # notifs waiting for D's peer
+                             lambda n: self.stats.add("kv_notifs_dropped_total", n))
         self.done: set[str] = set()  # P ids whose blocks may be freed
         self.refused = 0  # notifications refused: not from the agent the transfer belongs to
 
@@ -219,7 +220,7 @@ class Sender:
         self._post_ready(now)
         self._check_inflight(now)
         self._expire(now)
-        self._flush_outbox()
+        self.refused += self.outbox.flush()
 
     def needs_poll(self) -> bool:
         """Self-poll while blocks wait unmatched, WRITEs are in flight or notifs queue."""
@@ -254,7 +255,7 @@ class Sender:
         """D addresses a registration, WRITE or notification still needs."""
         used = {p.addr for p in self.regs.values()}
         used |= {w.reg.addr for w in self.inflight.values()}
-        used |= {addr for addr, *_ in self.outbox}
+        used |= self.outbox.addresses()
         return used
 
     def _regs_for(self, fb: FinishedBlocks) -> list[str]:
@@ -406,35 +407,7 @@ class Sender:
 
     def _send(self, addr: tuple[str, int], msg: bytes, agent: str | None = None) -> None:
         """Queue `msg` for D at `addr`; with `agent`, only if `addr` serves that agent."""
-        self.outbox.append((addr, msg, agent))
-        self._flush_outbox()
-        if len(self.outbox) > MAX_OUTBOX:
-            dropped = len(self.outbox) - MAX_OUTBOX
-            self.stats.add("kv_notifs_dropped_total", dropped)
-            logger.warning("outbox full: dropped the %d oldest notifications", dropped)
-            self.outbox = self.outbox[dropped:]
-
-    def _flush_outbox(self) -> None:
-        keep = []
-        for addr, msg, agent in self.outbox:
-            peer = self.peers.get(addr)
-            if peer.status == "pending":
-                keep.append((addr, msg, agent))
-                continue
-            if peer.status == "ready" and agent is not None and peer.agent_name != agent:
-                self.refused += 1
-                logger.warning("%s to %s:%d dropped: that address serves agent %s, the "
-                               "registration came from %s", wire.notif_kind(msg), *addr,
-                               peer.agent_name, agent)
-                continue
-            if peer.status == "ready":
-                try:
-                    self.t.send_notif(peer.agent_name, msg)
-                    continue
-                except Exception as e:  # noqa: BLE001
-                    logger.warning("notif to %s:%d failed: %s", *addr, e)
-            logger.warning("dropping notif to unreachable D %s:%d", *addr)
-        self.outbox = keep
+        self.refused += self.outbox.send(addr, msg, agent)
 
     def table_sizes(self) -> dict[str, int]:
         return {"p_staged": len(self.staged), "p_regs": len(self.regs),

@@ -8,8 +8,8 @@ PUSH_FAIL queued for an address that turns out to serve another agent.
 from __future__ import annotations
 
 from kvconnector import wire
+from kvconnector.peers import PeerState
 from kvconnector.push.meta import FinishedBlocks, Registration
-from kvconnector.push.peers import PeerState
 from kvconnector.push.receiver import Receiver
 from kvconnector.push.sender import Sender, SenderStats
 from kvconnector.security import prompt_digest

@@ -23,7 +23,7 @@ from pd_harness import engine_stats
 from kvconnector import wire
 from kvconnector.handshake import fetch_peer_metadata
 from kvconnector.nixl import NixlTransport
-from kvconnector.push.peers import MAX_FIRST_CONTACTS
+from kvconnector.peers import MAX_FIRST_CONTACTS
 
 NUM_REGS, NUM_DEAD, NUM_SILENT = 1000, 150, 50
 

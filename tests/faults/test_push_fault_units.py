@@ -21,8 +21,8 @@ import msgspec
 import pytest
 
 from kvconnector import wire
+from kvconnector.peers import ALIVE, GONE, SILENT, PeerState
 from kvconnector.push.meta import FinishedBlocks, PushMeta, Registration
-from kvconnector.push.peers import ALIVE, GONE, SILENT, PeerState
 from kvconnector.push.receiver import Receiver
 from kvconnector.push.sender import Sender, SenderStats
 from kvconnector.push.writer import PushWriter
@@ -386,7 +386,7 @@ def test_d_heartbeats_a_transfer_without_id_by_its_base_id_and_skips_uncarriable
 
 
 def test_idle_peers_and_their_agents_are_dropped_but_not_while_in_use():
-    from kvconnector.push.peers import Peers
+    from kvconnector.peers import Peers
 
     clock, removed, wake = Clock(), [], threading.Event()
 

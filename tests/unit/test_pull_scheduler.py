@@ -14,12 +14,12 @@ from engine.sched.output import ModelRunnerOutput
 from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import Scheduler
 from kvconnector import wire
-from kvconnector.pull.connector import validate_request_params
+from kvconnector.peers import PeerState
 from kvconnector.pull.lender import Lender
 from kvconnector.pull.meta import Claim, Lease, Read, prompt_digest
+from kvconnector.pull.params import validate_request_params
 from kvconnector.pull.reader import Reader
 from kvconnector.pull.scheduler import PullScheduler
-from kvconnector.push.peers import PeerState
 
 BS = 4
 NUM_BLOCKS = 64

@@ -6,7 +6,7 @@ through a queue and applied on the transfer thread, which alone touches the NIXL
 `retry_after` seconds so a burst of requests to a dead peer fails fast instead of each
 waiting for a timeout.
 
-Bounded state, whatever remote input names (DESIGN invariant 7):
+Bounded state, whatever remote input names (docs/design.md §4, invariant 7):
 - two executors: addresses that completed a handshake before (re-handshakes, liveness
   probes) never queue behind first contacts, and each first contact gets its own thread
   (up to `MAX_FIRST_CONTACTS` at once, more fail at once), so an address that never answers

@@ -1,4 +1,8 @@
-"""Shared launcher for the prefill and decode roles: `serve` plus a connector config."""
+"""The launcher both roles share: `serve` plus the role's connector config.
+
+It lives with the roles, not in `kvconnector` (it imports the server CLI, which the KV
+transfer layer must not); `decode.cli` imports it from here.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,194 @@
+"""The transfer thread both connectors run: sole owner of a worker's NIXL notifications and
+transfers, woken by an event and polling only while work is outstanding.
+
+Wakes on its event: `start_load_kv` (only when the step brings new work), `get_finished`
+(every step), a finished handshake or probe, or its own timer. It polls every 1 ms only while
+work is outstanding (a transfer progresses only while both agents are polled: see
+`kvconnector.nixl`) and otherwise sleeps until the sink's next deadline, so an idle engine
+costs no CPU.
+
+A mode subclasses it with only its policy: a `name`, two halves and two routing tables.
+- `source`: this engine's blocks other engines take (P side); `sink`: blocks this engine
+  receives (D side). Each half has `poll()`, `needs_poll()`, `table_sizes()` and a `done` set
+  of request ids whose blocks may be freed; the sink also has `next_deadline()`,
+  `finished_recving` and `failed_recving`. With `prune_idle` both halves have
+  `addresses_in_use()`.
+- `make_inbox_routes()`: field of the scheduler's per-step metadata -> handler of one item,
+  in the order they run;
+- `make_notif_routes()`: decoded notification type (`kvconnector.wire`) -> handler
+  `(message, sender agent, seen_after)`. A type without a route is counted malformed.
+
+Threads: the halves, `peers` (apart from its executors' queue) and the transport's
+notifications belong to this thread. Cross-thread hand-off: the engine thread puts metadata
+in `inbox` and reads `outbox` with `collect()`; nothing else is shared.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine.kv_connector import KVConnectorOutput
+from kvconnector import wire
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.001
+_IDLE_TICK_S = 1.0  # upper bound on a sleep, so a lost wake costs at most this
+_PRUNE_EVERY_S = 1.0
+
+# (decoded message, sending NIXL agent, earliest time it may have arrived)
+NotifHandler = Callable[[Any, str, float], None]
+
+
+class TransferThread:
+    name = "nixl-transfer"  # the thread's name; a mode names its own
+    prune_idle = False  # prune idle peers (both halves then have `addresses_in_use()`)
+
+    def __init__(self, transport: Any, peers: Any, source: Any, sink: Any,
+                 wake: threading.Event, clock: Callable[[], float] = time.monotonic) -> None:
+        self.t = transport
+        self.peers = peers
+        self.source = source
+        self.sink = sink
+        self.wake = wake
+        self.clock = clock
+        self.inbox_routes = self.make_inbox_routes()
+        self.notif_routes = self.make_notif_routes()
+        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue[KVConnectorOutput] = queue.SimpleQueue()
+        self.malformed = 0
+        self._last_listen = clock()  # when this side last drained its notifications
+        self._next_prune = clock() + _PRUNE_EVERY_S
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+
+    # --- the mode's policy --------------------------------------------------------
+    def make_inbox_routes(self) -> dict[str, Callable[[Any], None]]:
+        """Field of the scheduler's per-step metadata -> handler of one item, in order."""
+        raise NotImplementedError
+
+    def make_notif_routes(self) -> dict[type, NotifHandler]:
+        """Decoded notification type -> handler; a type without one is counted malformed."""
+        raise NotImplementedError
+
+    def counters(self) -> dict[str, float]:
+        """The mode's cumulative counters (a fresh dict; read racily, as Prometheus does)."""
+        raise NotImplementedError
+
+    # --- engine thread ------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self.wake.set()
+        self._thread.join(timeout=5)
+
+    def submit(self, meta: Any) -> None:
+        """Hand the scheduler's per-step metadata over (only when it brings work)."""
+        self.inbox.put(meta)
+        self.wake.set()
+
+    def collect(self) -> KVConnectorOutput:
+        """Everything the thread finished since the last call."""
+        out = KVConnectorOutput()
+        while True:
+            try:
+                part = self.outbox.get_nowait()
+            except queue.Empty:
+                return out
+            out.finished_sending |= part.finished_sending
+            out.finished_recving |= part.finished_recving
+            out.failed_recving.update(part.failed_recving)
+
+    # --- the thread ---------------------------------------------------------------
+    def step(self) -> None:
+        """One pass: handshakes, scheduler work, inbound notifs, polls, results out."""
+        self.peers.apply_finished()
+        self._drain_inbox()
+        # A notification first seen now was not there at the previous drain, so it was sent
+        # after about then: date it so. Dating it "now" would let a P that was frozen (or
+        # starved) for longer than the ttl take a stale PUSH_REG for a fresh one and WRITE
+        # into blocks D has long given to other requests.
+        listened, self._last_listen = self._last_listen, self.clock()
+        for agent, raw in self.t.get_new_notifs():
+            try:
+                self._dispatch(raw, agent, listened)
+            except Exception:  # noqa: BLE001 - one bad message must not lose the batch
+                self.malformed += 1
+                logger.exception("notification from %s dropped: %r", agent, raw[:64])
+        self.source.poll()
+        self.sink.poll()
+        if self.prune_idle:
+            self._prune_idle_peers()
+        self._publish()
+
+    def _run(self) -> None:
+        while not self._stop:
+            self.wake.wait(self._timeout())
+            self.wake.clear()
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - log and go on; the engine must not lose it
+                logger.exception("%s step failed", self._thread.name)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                meta = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            for name, handle in self.inbox_routes.items():
+                for item in getattr(meta, name):
+                    handle(item)
+
+    def _dispatch(self, raw: bytes, agent: str, seen_after: float) -> None:
+        """`agent`: the sender's NIXL agent name; the halves refuse (and count) a message from
+        an agent other than the one the transfer belongs to."""
+        try:
+            msg = wire.decode_notif(raw)
+        except wire.MalformedNotif as e:
+            self.malformed += 1
+            logger.warning("malformed notification from %s dropped (%s): %r", agent, e,
+                           raw[:64])
+            return
+        handle = self.notif_routes.get(type(msg))
+        if handle is None:
+            self.malformed += 1
+            logger.warning("%s from %s dropped: not a notification of this mode",
+                           type(msg).__name__, agent)
+            return
+        handle(msg, agent, seen_after)
+
+    def _prune_idle_peers(self) -> None:
+        now = self.clock()
+        if now < self._next_prune:
+            return
+        self._next_prune = now + _PRUNE_EVERY_S
+        self.peers.prune(self.source.addresses_in_use() | self.sink.addresses_in_use())
+
+    def _timeout(self) -> float:
+        if self.source.needs_poll() or self.sink.needs_poll() or self.peers.pending():
+            return POLL_INTERVAL_S
+        deadline = self.sink.next_deadline()
+        if deadline is None:
+            return _IDLE_TICK_S
+        return min(_IDLE_TICK_S, max(POLL_INTERVAL_S, deadline - self.clock()))
+
+    def _publish(self) -> None:
+        src, sink = self.source, self.sink
+        if not (src.done or sink.done or sink.finished_recving or sink.failed_recving):
+            return
+        out = KVConnectorOutput(
+            finished_sending=src.done | sink.done,
+            finished_recving=set(sink.finished_recving),
+            failed_recving=dict(sink.failed_recving),
+        )
+        src.done, sink.done = set(), set()
+        sink.finished_recving, sink.failed_recving = set(), {}
+        self.outbox.put(out)

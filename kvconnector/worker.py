@@ -1,0 +1,135 @@
+"""The worker half both NIXL connectors share: transport, side channel, peers, transfer thread.
+
+`NixlWorker` owns, per engine: one `NixlTransport` over the KV cache, the `SideChannelServer`
+that serves this engine's agent metadata at the endpoint's host:port (guarded by one
+`KVSecurity`, built here so the no-secret warning is logged once per engine; see
+docs/security.md), the `Peers` table of remote engines, and one `TransferThread`. A mode
+subclasses it with its policy only: `mode` (part of the compatibility hash, so a push engine
+never pairs with a pull one), `prune_idle_peers`, and `make_thread`, which builds the mode's
+halves and routes around the shared pieces.
+
+Threads: every method here runs on the engine-core thread. The transfer thread owns the
+halves, the peers table and the transport's notifications; it and this object meet only in
+the thread's inbox and outbox.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.kv_connector import KVCacheSpec, KVConnectorOutput, KVConnectorWorker
+from kvconnector.endpoint import Endpoint
+from kvconnector.handshake import (
+    RefusedHandshakes,
+    SideChannelServer,
+    compat_hash,
+    fetch_peer_metadata,
+)
+from kvconnector.nixl import NixlTransport
+from kvconnector.peers import Peers
+from kvconnector.security import KVSecurity
+from kvconnector.transfer_thread import TransferThread
+
+logger = logging.getLogger(__name__)
+
+_HANDSHAKE_TIMEOUT_S = 3.0
+
+
+class NixlWorker(KVConnectorWorker):
+    mode = ""  # "push" | "pull"
+    prune_idle_peers = False  # drop idle peers and their NIXL agents (see Peers.prune)
+
+    def __init__(self, config: EngineConfig, spec: KVCacheSpec,
+                 endpoint: Endpoint | None = None) -> None:
+        kv = config.kv_transfer_config
+        assert kv is not None
+        self.spec = spec
+        self.endpoint = endpoint or Endpoint.from_config(kv)
+        self.lease = float(kv.extra("kv_lease_duration", 30.0))
+        self.ttl = float(kv.extra("push_registration_timeout", 480.0))
+        self.hb_interval = float(kv.extra("heartbeat_interval", self.lease / 6))
+        self.backends = list(kv.extra("backends", ["UCX"]))
+        self.fault_injection = kv.extra("fault_injection", None)
+        self.security = KVSecurity.from_config(kv)
+        self.refused_handshakes = RefusedHandshakes()
+        self.compat = compat_hash(spec.model_name, spec.dtype, spec.num_layers,
+                                  spec.num_kv_heads, spec.head_dim, spec.block_size, self.mode)
+        self.transport: NixlTransport | None = None
+        self.side_channel: SideChannelServer | None = None
+        self.thread: TransferThread | None = None
+
+    def make_thread(self, transport: NixlTransport, peers: Peers, wake: threading.Event,
+                    clock: Callable[[], float]) -> TransferThread:
+        """The mode's halves and routes around the shared pieces (not started)."""
+        raise NotImplementedError
+
+    def register_kv_caches(self, kv_cache: Any) -> None:
+        ep = self.endpoint
+        self.transport = t = NixlTransport(
+            f"{ep.engine_id}-tp0", kv_cache, self.spec.bytes_per_block,
+            backends=self.backends, fault_injection=self.fault_injection,
+            engine_id=ep.engine_id, block_size=self.spec.block_size, compat_hash=self.compat,
+        )
+        meta = t.local_metadata()
+        self.side_channel = SideChannelServer(ep.host, ep.port, lambda: meta, self.security)
+        self.side_channel.start()
+        ep.port = self.side_channel.port
+        wake, clock = threading.Event(), time.monotonic
+        if self.prune_idle_peers:
+            peers = Peers(self._fetch, t.add_peer, wake, clock, remove_peer=t.remove_peer,
+                          idle_after=max(self.lease, 2 * self.hb_interval))
+        else:
+            peers = Peers(self._fetch, t.add_peer, wake, clock)
+        self.thread = self.make_thread(t, peers, wake, clock)
+        self.thread.start()
+        logger.info("%s connector %s ready: side channel %s:%d", self.mode, ep.engine_id,
+                    ep.host, ep.port)
+
+    def _fetch(self, host: str, port: int) -> Any:
+        """A peer's agent metadata (on a Peers executor thread)."""
+        with self.refused_handshakes:
+            return fetch_peer_metadata(host, port, self.compat, _HANDSHAKE_TIMEOUT_S,
+                                       security=self.security)
+
+    def start_load_kv(self, metadata: Any) -> None:
+        if self.thread is not None and metadata is not None and metadata.brings_work():
+            self.thread.submit(metadata)
+
+    def get_finished(self) -> KVConnectorOutput:
+        if self.thread is None:
+            return KVConnectorOutput()
+        self.thread.wake.set()
+        return self.thread.collect()
+
+    def get_stats(self) -> dict[str, float]:
+        if self.thread is None:
+            return {}
+        stats = self.thread.counters()
+        stats["kv_malformed_notifs_total"] = self.thread.malformed
+        stats["kv_handshake_refused_total"] = self.refused_handshakes.count
+        if self.transport is not None:
+            stats["kv_refused_peers_total"] = self.transport.refused_peers
+        if self.side_channel is not None:
+            stats["kv_malformed_side_channel_total"] = self.side_channel.malformed_count
+            stats["kv_side_channel_refused_total"] = self.side_channel.refused_count
+        return stats
+
+    def table_sizes(self) -> dict[str, int]:
+        if self.thread is None or self.transport is None:
+            return {}
+        return {**self.thread.source.table_sizes(), **self.thread.sink.table_sizes(),
+                **self.thread.peers.table_sizes(), "nixl_agents": len(self.transport.peers())}
+
+    def shutdown(self) -> None:
+        if self.thread is not None:
+            self.thread.stop()
+            self.thread.peers.shutdown()
+        if self.side_channel is not None:
+            self.side_channel.stop()
+        if self.transport is not None:
+            self.transport.shutdown()
