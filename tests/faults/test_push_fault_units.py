@@ -420,7 +420,7 @@ def test_a_probe_tells_a_restarted_p_from_the_one_d_knew():
     from types import SimpleNamespace
 
     from kvconnector.handshake import HandshakeError
-    from kvconnector.push.peers import probe_verdict
+    from kvconnector.peers import probe_verdict
 
     same = SimpleNamespace(agent_name="P0-tp0", agent_blob=b"blob-1")
     restarted = SimpleNamespace(agent_name="P0-tp0", agent_blob=b"blob-2")  # fixed engine id
