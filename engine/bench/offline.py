@@ -42,7 +42,7 @@ def _prompts(model: str, n: int, length: int, seed: int) -> list[list[int]]:
     from engine.models.tokenizer import Tokenizer
 
     vocab = load_arch(model).vocab_size
-    special = set(Tokenizer.from_dir(model).all_special_ids)
+    special = set(Tokenizer.from_pretrained(model).all_special_ids)
     rng = random.Random(seed)
     allowed = [t for t in range(vocab) if t not in special]
     return [[rng.choice(allowed) for _ in range(length)] for _ in range(n)]

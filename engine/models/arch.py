@@ -150,11 +150,16 @@ def _require(cfg: dict[str, Any], key: str, path: str) -> Any:
 
 
 def load_arch(model_dir: str) -> ModelArch:
-    """Parse `model_dir/config.json` (+ generation_config.json) into a ModelArch.
+    """Parse `model_dir/config.json` (+ generation_config.json) into a ModelArch; for a
+    `.gguf` file, its metadata (engine.models.gguf_file).
 
     Raises ValueError for an unsupported architecture (naming it), sliding-window attention,
     unknown rope scaling, or missing/invalid fields.
     """
+    if model_dir.lower().endswith(".gguf"):
+        from engine.models.gguf_file import load_gguf_arch
+
+        return load_gguf_arch(model_dir)
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"{model_dir!r} is not a model directory: no config.json")
