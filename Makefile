@@ -4,6 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TINY := .models/tiny-llama
+# make demo: SmolLM2-135M-Instruct (the smollm2 extra) by default; MODEL=tiny for the fast path.
+MODEL ?= smollm2
 
 .PHONY: demo test lint install models bench-offline clean
 
@@ -11,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,smollm2]'
 	$(BIN)/python -m engine.worker.kernels
 	touch $(STAMP)
 
@@ -23,7 +25,7 @@ $(TINY)/config.json: $(STAMP)
 models: $(TINY)/config.json
 
 demo: models
-	$(BIN)/pdserve demo --model $(TINY)
+	$(BIN)/pdserve demo --model $(MODEL)
 
 test: models
 	$(BIN)/ruff check .

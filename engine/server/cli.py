@@ -1,4 +1,4 @@
-"""`pdserve serve MODEL_DIR …` (also `python -m engine.server`): one engine behind the
+"""`pdserve serve MODEL …` (also `python -m engine.server`): one engine behind the
 OpenAI-compatible HTTP API. `pdserve prefill` / `pdserve decode` reuse `add_serve_args` and
 `serve_main(args, role_defaults=…)` with their connector defaults.
 
@@ -40,7 +40,9 @@ _ENGINE_FLAGS = (
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `pdserve serve` (DESIGN §3). Engine flags default to None = EngineConfig's."""
-    parser.add_argument("model", metavar="MODEL_DIR", help="local Hugging Face model directory")
+    parser.add_argument("model", metavar="MODEL",
+                        help="local Hugging Face model directory, a llama .gguf file, or an "
+                             "alias of a packaged model (smollm2)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or None,
