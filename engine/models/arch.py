@@ -156,10 +156,11 @@ def load_arch(model_dir: str) -> ModelArch:
     Raises ValueError for an unsupported architecture (naming it), sliding-window attention,
     unknown rope scaling, or missing/invalid fields.
     """
-    if model_dir.lower().endswith(".gguf"):
+    if not os.path.isdir(model_dir):  # a .gguf file or a packaged alias
         from engine.models.gguf_file import load_gguf_arch
+        from engine.models.source import resolve_model
 
-        return load_gguf_arch(model_dir)
+        return load_gguf_arch(resolve_model(model_dir))
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"{model_dir!r} is not a model directory: no config.json")

@@ -8,7 +8,7 @@ import torch
 from engine.models.arch import ModelArch, load_arch
 from engine.models.causal_lm import CausalLM
 from engine.models.layers import AllReduceFn
-from engine.models.source import is_gguf
+from engine.models.source import is_gguf, resolve_model
 from engine.models.weights import load_weights
 
 __all__ = ["CausalLM", "ModelArch", "load_arch", "load_model", "resolve_dtype"]
@@ -38,6 +38,7 @@ def load_model(model_dir: str, dtype: str = "auto", device: str = "cpu", *,
     match the config. The returned module is in eval mode with requires_grad off everywhere.
     With tp_size > 1, loads only rank tp_rank's shard and uses all_reduce across ranks.
     """
+    model_dir = resolve_model(model_dir)
     arch = load_arch(model_dir)
     torch_dtype = resolve_dtype(dtype, arch)
     model = CausalLM(arch, torch_dtype, torch.device(device), tp_rank=tp_rank, tp_size=tp_size,

@@ -105,8 +105,9 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, model: str) -> Tokenizer:
         """The tokenizer of a model directory or of a GGUF file (rebuilt from its metadata)."""
-        from engine.models.source import is_gguf
+        from engine.models.source import is_gguf, resolve_model
 
+        model = resolve_model(model)
         if is_gguf(model):
             from engine.models.gguf_file import open_gguf
             from engine.models.gguf_tokenizer import gguf_tokenizer
