@@ -15,6 +15,8 @@ from typing import Any
 from engine.models.arch import DEFAULT_ROPE_THETA, ModelArch, RopeConfig
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+# Tensor types we dequantize (gguf.quants, checked against its quantize round trip in tests).
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 
 class GGUFFile:
@@ -66,17 +68,28 @@ def _rope(gf: GGUFFile) -> RopeConfig:
     raise ValueError(f"{gf.path}: rope scaling {kind!r} is not supported (supported: none, linear)")
 
 
+def check_tensor_types(gf: GGUFFile) -> None:
+    """Raise ValueError naming every tensor (and its type) we cannot dequantize."""
+    bad = sorted({f"{t.name} ({t.tensor_type.name})" for t in gf.reader.tensors
+                  if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES})
+    if bad:
+        raise ValueError(f"{gf.path}: unsupported GGUF tensor type(s): {', '.join(bad[:6])}"
+                         + (f" (+{len(bad) - 6} more)" if len(bad) > 6 else "")
+                         + f" (supported: {', '.join(SUPPORTED_TENSOR_TYPES)})")
+
+
 def gguf_arch(gf: GGUFFile) -> ModelArch:
     """The ModelArch a llama-architecture GGUF file describes (dequantized: float32 by default).
 
-    Raises ValueError naming the architecture for anything but llama, and naming the field for
-    missing or unsupported hyper-parameters.
+    Raises ValueError naming the architecture for anything but llama, the tensors of a type we
+    cannot dequantize, and the field for missing or unsupported hyper-parameters.
     """
     if gf.architecture not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {gf.architecture!r} in {gf.path} "
                          f"(supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})")
     if int(gf.arch_key("expert_count", 0) or 0) > 0:
         raise ValueError(f"{gf.path}: mixture-of-experts llama GGUF files are not supported")
+    check_tensor_types(gf)  # here, so every process refuses the file before loading anything
     hidden = _positive_int(gf, "embedding_length")
     heads = _positive_int(gf, "attention.head_count")
     kv_heads = _positive_int(gf, "attention.head_count_kv", heads)

@@ -19,11 +19,8 @@ import numpy as np
 import torch
 
 from engine.models.causal_lm import CausalLM
-from engine.models.gguf_file import GGUFFile, open_gguf
+from engine.models.gguf_file import check_tensor_types, open_gguf
 from engine.models.weights import Slot, parameter_slots
-
-# Tensor types we dequantize (gguf.quants, checked against its quantize round trip in tests).
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -71,15 +68,6 @@ def dequantize(tensor) -> np.ndarray:  # noqa: ANN001 - gguf.ReaderTensor
                       ).reshape(shape)
 
 
-def _check_types(gf: GGUFFile) -> None:
-    bad = sorted({f"{t.name} ({t.tensor_type.name})" for t in gf.reader.tensors
-                  if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES})
-    if bad:
-        raise ValueError(f"{gf.path}: unsupported GGUF tensor type(s): {', '.join(bad[:6])}"
-                         + (f" (+{len(bad) - 6} more)" if len(bad) > 6 else "")
-                         + f" (supported: {', '.join(SUPPORTED_TENSOR_TYPES)})")
-
-
 def load_gguf_weights(model: CausalLM, path: str) -> None:
     """Fill every parameter of `model` from the GGUF file at `path`.
 
@@ -87,7 +75,7 @@ def load_gguf_weights(model: CausalLM, path: str) -> None:
     or of the wrong shape; type checks run before any data is read.
     """
     gf = open_gguf(path)
-    _check_types(gf)
+    check_tensor_types(gf)
     slots = parameter_slots(model)
     tied = model.arch.tie_word_embeddings
     unknown = [t.name for t in gf.reader.tensors if hf_name(t.name) is None]

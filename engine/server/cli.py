@@ -147,6 +147,9 @@ def serve_main(args: argparse.Namespace, *, role_defaults: Mapping[str, Any] | N
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args, role_defaults)
+        from engine.models import load_arch
+
+        load_arch(config.model)  # an unusable model is a one-line error, before any process
         settings = ServerSettings(api_key=args.api_key, public_metrics=args.public_metrics,
                                   max_request_body_bytes=args.max_request_body_bytes,
                                   kv_transfer_info=kv_transfer_info(config))

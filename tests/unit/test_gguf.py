@@ -15,7 +15,7 @@ import torch
 from gguf_export import export_gguf
 
 from engine.models import Tokenizer, load_arch, load_model
-from engine.models.gguf_weights import SUPPORTED_TENSOR_TYPES
+from engine.models.gguf_file import SUPPORTED_TENSOR_TYPES
 from engine.models.source import resolve_model
 
 PROMPT = "the model token cache block prefill decode"
@@ -106,8 +106,9 @@ def test_unsupported_tensor_type_is_refused_naming_tensor_and_type(tiny_model, t
         return np.zeros((data.shape[0], 256 // block * size), dtype=np.uint8), q4_k
 
     export_gguf(tiny_model, path, "Q8_0", tensor_hook=as_q4_k)
-    with pytest.raises(ValueError, match=r"blk\.2\.ffn_up\.weight \(Q4_K\).*supported: F32"):
-        load_model(path)
+    for load in (load_arch, load_model):  # refused before any weight is read
+        with pytest.raises(ValueError, match=r"blk\.2\.ffn_up\.weight \(Q4_K\).*supported: F32"):
+            load(path)
 
 
 def test_alias_and_missing_model_errors_name_the_fix(tmp_path):
