@@ -1,6 +1,7 @@
 """A GGUF checkpoint: its metadata as plain values and the ModelArch it describes.
 
-The file is memory-mapped by `gguf.GGUFReader`; nothing here reads tensor data. Only the llama
+The file is memory-mapped by our GGUFReader (engine.models.gguf_reader); nothing here reads
+tensor data. Only the llama
 architecture is served (SmolLM2, TinyLlama-style and Llama-family exports): any other
 `general.architecture`, a mixture of experts, partial rotary or rope scaling we do not implement
 fails here with a ValueError naming what the file holds, never later inside a forward.
@@ -10,9 +11,11 @@ from __future__ import annotations
 
 import functools
 import os
+import struct
 from typing import Any
 
 from engine.models.arch import DEFAULT_ROPE_THETA, ModelArch, RopeConfig
+from engine.models.gguf_reader import GGUFReader
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 # Tensor types we dequantize (gguf.quants, checked against its quantize round trip in tests).
@@ -23,21 +26,18 @@ class GGUFFile:
     """Read-only view of one GGUF file. Safe to share between threads once built."""
 
     def __init__(self, path: str) -> None:
-        from gguf import GGUFReader  # imported here: only GGUF users pay for it
-
         if not os.path.isfile(path):
             raise ValueError(f"GGUF file {path!r} does not exist")
         self.path = path
         try:
-            self.reader = GGUFReader(path, "r")
-        except (ValueError, OSError) as exc:
+            self.reader = GGUFReader(path)
+        except (ValueError, OSError, struct.error, UnicodeDecodeError) as exc:
             raise ValueError(f"{path!r} is not a readable GGUF file: {exc}") from exc
         self.architecture = str(self.get("general.architecture", ""))
 
     def get(self, key: str, default: Any = None) -> Any:
         """Metadata value (str, int, float, bool or list of those); `default` when absent."""
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self.reader.fields.get(key, default)
 
     def arch_key(self, key: str, default: Any = None) -> Any:
         """`<architecture>.<key>`, as llama.cpp spells hyper-parameters."""
@@ -70,8 +70,8 @@ def _rope(gf: GGUFFile) -> RopeConfig:
 
 def check_tensor_types(gf: GGUFFile) -> None:
     """Raise ValueError naming every tensor (and its type) we cannot dequantize."""
-    bad = sorted({f"{t.name} ({t.tensor_type.name})" for t in gf.reader.tensors
-                  if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES})
+    bad = sorted({f"{t.name} ({t.type_name})" for t in gf.reader.tensors
+                  if t.type_name not in SUPPORTED_TENSOR_TYPES})
     if bad:
         raise ValueError(f"{gf.path}: unsupported GGUF tensor type(s): {', '.join(bad[:6])}"
                          + (f" (+{len(bad) - 6} more)" if len(bad) > 6 else "")
@@ -100,8 +100,8 @@ def gguf_arch(gf: GGUFFile) -> ModelArch:
     if rotary != head_dim:
         raise ValueError(f"{gf.path}: partial rotary ({rotary} of {head_dim} dims) is not "
                          "supported")
-    tokens = gf.reader.fields.get("tokenizer.ggml.tokens")
-    vocab = gf.arch_key("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    tokens = gf.get("tokenizer.ggml.tokens")
+    vocab = gf.arch_key("vocab_size") or (len(tokens) if tokens is not None else None)
     if vocab is None:
         raise ValueError(f"{gf.path}: GGUF metadata has no vocab_size and no tokenizer tokens")
     bos = gf.get("tokenizer.ggml.bos_token_id")

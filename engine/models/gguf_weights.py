@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from engine.models.causal_lm import CausalLM
-from engine.models.gguf_file import check_tensor_types, open_gguf
+from engine.models.gguf_file import GGUFFile, check_tensor_types, open_gguf
+from engine.models.gguf_reader import TensorInfo
 from engine.models.weights import Slot, parameter_slots
 
 _GLOBAL_NAMES = {
@@ -59,13 +60,15 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def dequantize(tensor) -> np.ndarray:  # noqa: ANN001 - gguf.ReaderTensor
+def dequantize(gf: GGUFFile, tensor: TensorInfo) -> np.ndarray:
     """float32 array in Hugging Face orientation ([out, in] for matrices) of one GGUF tensor."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as _dequantize
 
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists ne0 (columns) first
-    return np.asarray(_dequantize(tensor.data, tensor.tensor_type), dtype=np.float32
-                      ).reshape(shape)
+    data = gf.reader.data(tensor)
+    return np.asarray(_dequantize(data, GGMLQuantizationType(tensor.type_id)),
+                      dtype=np.float32).reshape(shape)
 
 
 def load_gguf_weights(model: CausalLM, path: str) -> None:
@@ -88,7 +91,7 @@ def load_gguf_weights(model: CausalLM, path: str) -> None:
             continue
         if name not in slots:
             raise ValueError(f"{path}: unexpected tensor {tensor.name} ({name})")
-        weight = dequantize(tensor)
+        weight = dequantize(gf, tensor)
         if name.endswith("q_proj.weight"):
             weight = unpermute_qk(weight, model.arch.num_heads)
         elif name.endswith("k_proj.weight"):
