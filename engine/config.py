@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +55,12 @@ class KVTransferConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything an engine needs to start. Names match the CLI flags (snake_case)."""
+    """Everything an engine needs to start. Names match the CLI flags (snake_case).
+
+    `model` is a local Hugging Face directory, a `.gguf` file, or a packaged alias
+    (engine.models.source); an alias is resolved here to its file's path, so every process
+    started from this config sees a path, and the alias stays the served model name.
+    """
 
     model: str
     dtype: str = "auto"
@@ -74,8 +78,13 @@ class EngineConfig:
     kv_transfer_config: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
-        if not os.path.isdir(self.model):
-            raise ValueError(f"model must be a local model directory, got {self.model!r}")
+        from engine.models.source import resolve_model
+
+        resolved = resolve_model(self.model)
+        if resolved != self.model:
+            if self.served_model_name is None:
+                object.__setattr__(self, "served_model_name", self.model)
+            object.__setattr__(self, "model", resolved)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

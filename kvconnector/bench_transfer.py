@@ -60,6 +60,12 @@ class Shape:
 
 
 def model_shape(model_dir: str, block_size: int) -> Shape:
+    if not os.path.isdir(model_dir):  # a .gguf file or an alias: its metadata
+        from engine.models import load_arch
+        from engine.models.source import resolve_model
+
+        a = load_arch(resolve_model(model_dir))
+        return Shape(a.num_layers, a.num_kv_heads, a.head_dim, block_size)
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
     heads = cfg["num_attention_heads"]

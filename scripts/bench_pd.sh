@@ -3,6 +3,7 @@
 # the same workloads, the KV transfer microbenchmark and the proxy's own overhead.
 #
 #   scripts/bench_pd.sh [OUT_DIR]        (default bench/results; ~15-20 min on 2 cores)
+#   MODEL=smollm2 scripts/bench_pd.sh     (the real model: a .gguf file or alias works too)
 #   SCALE=0.25 scripts/bench_pd.sh /tmp/x   (fewer prompts: a smoke run)
 #
 # Systems (each engine pinned to ONE core with taskset and OMP_NUM_THREADS=1; the proxy and the
@@ -144,7 +145,10 @@ start_system() {  # sets TARGET (bench serve target args) and P_URL/D_URL for P/
     esac
 }
 
-test -f "$MODEL/config.json" || "$BIN/pdserve" make-tiny-model "$MODEL" --size bench --seed 0
+case "$MODEL" in  # a .gguf file or a packaged alias (smollm2) is served as is
+*.gguf | smollm2) ;;
+*) test -f "$MODEL/config.json" || "$BIN/pdserve" make-tiny-model "$MODEL" --size bench --seed 0 ;;
+esac
 loadavg start
 
 log "transfer microbenchmark (2048 tokens)"

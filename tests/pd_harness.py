@@ -68,14 +68,15 @@ def start_proxy(prefill_urls: list[str], decode_urls: list[str], mode: str,
 def deployment(model: str, mode: str = "push", *, num_blocks: int = 512,
                extra: dict[str, Any] | None = None, p_extra: dict[str, Any] | None = None,
                d_extra: dict[str, Any] | None = None, num_decodes: int = 1,
-               proxy_args: tuple[str, ...] = (), with_proxy: bool = True
-               ) -> Iterator[Deployment]:
+               proxy_args: tuple[str, ...] = (), with_proxy: bool = True,
+               engine_args: tuple[str, ...] = ()) -> Iterator[Deployment]:
+    """1P + num_decodes D (+ proxy) on `model`; `engine_args` go to every engine (--dtype …)."""
     connector = "NixlPushConnector" if mode == "push" else "NixlConnector"
     procs: list[ServerProcess] = []
     try:
         p_port = free_port()
         p = launch_server(model, *role_args(num_blocks, {**(extra or {}), **(p_extra or {})},
-                                            connector, "P0", p_port),
+                                            connector, "P0", p_port, *engine_args),
                           module="prefill", env=TEST_ENV, wait=False)
         procs.append(p)
         decodes, kv_ports = [], {"P0": p_port}
@@ -84,7 +85,7 @@ def deployment(model: str, mode: str = "push", *, num_blocks: int = 512,
             kv_ports[f"D{i}"] = d_port
             d = launch_server(model, *role_args(num_blocks,
                                                 {**(extra or {}), **(d_extra or {})},
-                                                connector, f"D{i}", d_port),
+                                                connector, f"D{i}", d_port, *engine_args),
                               module="decode", env=TEST_ENV, wait=False)
             procs.append(d)
             decodes.append(d)

@@ -22,7 +22,8 @@ from typing import Any
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="local Hugging Face model directory")
+    parser.add_argument("--model", required=True,
+                        help="local Hugging Face model directory, .gguf file or alias")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -42,7 +43,7 @@ def _prompts(model: str, n: int, length: int, seed: int) -> list[list[int]]:
     from engine.models.tokenizer import Tokenizer
 
     vocab = load_arch(model).vocab_size
-    special = set(Tokenizer.from_dir(model).all_special_ids)
+    special = set(Tokenizer.from_pretrained(model).all_special_ids)
     rng = random.Random(seed)
     allowed = [t for t in range(vocab) if t not in special]
     return [[rng.choice(allowed) for _ in range(length)] for _ in range(n)]
@@ -92,11 +93,25 @@ def _run_ours(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float
     return produced / elapsed, matmul[0]
 
 
+def _hf_model(auto_cls: Any, model: str, dtype: Any) -> Any:
+    """transformers' own load of MODEL: a directory, or a GGUF file (gguf_file=, which it
+    dequantizes or keeps packed as it sees fit)."""
+    import os
+
+    from engine.models.source import is_gguf, resolve_model
+
+    path = resolve_model(model)
+    if is_gguf(path):
+        return auto_cls.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                        dtype=dtype).eval()
+    return auto_cls.from_pretrained(path, dtype=dtype).eval()
+
+
 def _run_hf(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32).eval()
+    model = _hf_model(AutoModelForCausalLM, args.model, torch.float32)
     bs = args.hf_batch_size or len(prompts)
     produced = 0
     matmul = [0.0]

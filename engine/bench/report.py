@@ -82,6 +82,8 @@ def machine_info() -> dict[str, str]:
 
 
 def model_info(model_dir: str | None) -> str:
+    if model_dir and not os.path.isdir(model_dir):
+        return _gguf_model_info(model_dir)
     cfg = _load(os.path.join(model_dir, "config.json")) if model_dir else None
     if not cfg:
         return "unknown"
@@ -89,6 +91,19 @@ def model_info(model_dir: str | None) -> str:
             f"{cfg.get('num_hidden_layers')} layers, {cfg.get('num_attention_heads')} heads "
             f"({cfg.get('num_key_value_heads')} KV), vocab {cfg.get('vocab_size')}, "
             f"{cfg.get('torch_dtype')}")
+
+
+def _gguf_model_info(model: str) -> str:
+    from engine.models import load_arch
+    from engine.models.source import resolve_model
+
+    try:
+        a = load_arch(resolve_model(model))
+    except ValueError:
+        return "unknown"
+    return (f"`{model}` (GGUF, dequantized): llama, hidden {a.hidden_size}, {a.num_layers} "
+            f"layers, {a.num_heads} heads ({a.num_kv_heads} KV), vocab {a.vocab_size}, "
+            f"tied embeddings {a.tie_word_embeddings}")
 
 
 # ---- tables -------------------------------------------------------------------------------

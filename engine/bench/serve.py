@@ -134,7 +134,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def build_workload(args: argparse.Namespace) -> tuple[list[BenchRequest], list[BenchRequest]]:
     """(the timed requests, the warm-up requests); warm-ups never share a prompt with them."""
-    vocab_dir = args.tokenizer or (args.model if args.model and os.path.isdir(args.model)
+    vocab_dir = args.tokenizer or (args.model if args.model and os.path.exists(args.model)
                                    else None)
     pool = token_pool(vocab_dir)
     if args.dataset_path:

@@ -73,6 +73,8 @@ def parse_mix(spec: str) -> list[MixClass]:
 
 def token_pool(model_dir: str | None) -> list[int]:
     """Token ids safe to put in a prompt: the vocabulary minus special/added tokens."""
+    if model_dir is not None and not os.path.isdir(model_dir):
+        return _gguf_token_pool(model_dir)
     if model_dir is None or not os.path.isfile(os.path.join(model_dir, "config.json")):
         return list(range(*FALLBACK_TOKEN_RANGE))
     with open(os.path.join(model_dir, "config.json")) as f:
@@ -86,6 +88,23 @@ def token_pool(model_dir: str | None) -> list[int]:
     if not pool:
         raise ValueError(f"model {model_dir} has no non-special token ids")
     return pool
+
+
+def _gguf_token_pool(model: str) -> list[int]:
+    """A .gguf file or a packaged alias: vocabulary and specials from the file's metadata;
+    anything else (a served name that is no local model) gets the fallback range."""
+    from engine.models.source import is_gguf, resolve_model
+
+    try:
+        path = resolve_model(model)
+    except ValueError:
+        return list(range(*FALLBACK_TOKEN_RANGE))
+    if not is_gguf(path):
+        return token_pool(path)
+    from engine.models import Tokenizer, load_arch
+
+    special = set(Tokenizer.from_pretrained(path).all_special_ids)
+    return [t for t in range(load_arch(path).vocab_size) if t not in special]
 
 
 def random_requests(n: int, input_len: int, output_len: int, pool: list[int], seed: int,

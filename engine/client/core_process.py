@@ -50,6 +50,28 @@ from engine.core.messages import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
+MAIN_GUARD_HINT = ("the engine core runs in a spawned process, which imports your main script "
+                   "again: put the code that creates the engine (LLM(...), AsyncLLM(...)) under "
+                   "`if __name__ == \"__main__\":`, or pass multiprocess=False")
+
+
+class UnguardedMainError(RuntimeError):
+    """An engine was created while a spawned process was importing the user's main script."""
+
+
+def refuse_inside_spawn_import() -> None:
+    """Raise UnguardedMainError when called from a spawned child that is still importing its
+    parent's main module (multiprocessing marks that phase `_inheriting`): the script creates
+    an engine at import time, so every child would try to start another."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise UnguardedMainError(
+            f"pdserve: an engine was created at import time; {MAIN_GUARD_HINT}")
+
+
+def _main_is_a_script() -> bool:
+    import sys
+
+    return bool(getattr(sys.modules.get("__main__"), "__file__", None))
 _REGISTRATION_TIMEOUT_S = 30.0
 
 
@@ -100,6 +122,7 @@ class CoreProcess:
         host: str = "127.0.0.1",
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     ) -> None:
+        refuse_inside_spawn_import()
         self.engine_index = engine_index
         self.identity = engine_identity(engine_index)
         self._ipc_dir = None if use_tcp else tempfile.mkdtemp(prefix="pdserve-")
@@ -171,8 +194,10 @@ class CoreProcess:
         """Poll `sock`; fail fast when the child exits, and at the deadline."""
         while not sock.poll(timeout=100):
             if self.proc.exitcode is not None:
+                hint = (f" (its error is above; if it is UnguardedMainError: {MAIN_GUARD_HINT})"
+                        if _main_is_a_script() else "")
                 raise RuntimeError(f"engine core {self.engine_index} (pid {self.proc.pid}) "
-                                   f"exited with code {self.proc.exitcode} while {what}")
+                                   f"exited with code {self.proc.exitcode} while {what}{hint}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"engine core {self.engine_index}: timed out {what}")
 

@@ -59,7 +59,7 @@ class AsyncLLM:
     ) -> None:
         self.config = config
         self.model_name = config.model_name
-        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.tokenizer = Tokenizer.from_pretrained(config.model)
         arch = load_arch(config.model)
         self.max_model_len = config.resolved_max_model_len(arch.max_position_embeddings)
         eos = arch.eos_token_ids[0] if arch.eos_token_ids else self.tokenizer.eos_token_id

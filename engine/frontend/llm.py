@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 from tqdm import tqdm
 
+from engine.client.core_process import refuse_inside_spawn_import
 from engine.config import EngineConfig
 from engine.frontend.llm_engine import LLMEngine
 from engine.frontend.outputs import RequestOutput
@@ -20,7 +21,13 @@ PromptType = str | dict[str, Any] | list[int]
 class LLM:
     def __init__(self, model: str, *, multiprocess: bool = True, **engine_args: Any) -> None:
         """`multiprocess=True` (default) runs the EngineCore in its own process behind the
-        ZeroMQ client, as the servers do; False keeps it on this thread (no spawn cost)."""
+        ZeroMQ client, as the servers do; False keeps it on this thread (no spawn cost).
+
+        With multiprocess=True a script must create the LLM under `if __name__ == "__main__":`
+        (the spawned core imports the script again); otherwise UnguardedMainError says so.
+        """
+        if multiprocess:
+            refuse_inside_spawn_import()  # before loading anything: fail fast in the child
         self.config = EngineConfig.from_kwargs(model, **engine_args)
         self.engine = LLMEngine(self.config, multiprocess=multiprocess)
         self._counter = itertools.count()

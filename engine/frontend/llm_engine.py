@@ -31,7 +31,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, *, multiprocess: bool = False) -> None:
         self.config = config
-        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.tokenizer = Tokenizer.from_pretrained(config.model)
         arch = load_arch(config.model)
         self.max_model_len = config.resolved_max_model_len(arch.max_position_embeddings)
         eos = arch.eos_token_ids[0] if arch.eos_token_ids else self.tokenizer.eos_token_id

@@ -150,11 +150,17 @@ def _require(cfg: dict[str, Any], key: str, path: str) -> Any:
 
 
 def load_arch(model_dir: str) -> ModelArch:
-    """Parse `model_dir/config.json` (+ generation_config.json) into a ModelArch.
+    """Parse `model_dir/config.json` (+ generation_config.json) into a ModelArch; for a
+    `.gguf` file, its metadata (engine.models.gguf_file).
 
     Raises ValueError for an unsupported architecture (naming it), sliding-window attention,
     unknown rope scaling, or missing/invalid fields.
     """
+    if not os.path.isdir(model_dir):  # a .gguf file or a packaged alias
+        from engine.models.gguf_file import load_gguf_arch
+        from engine.models.source import resolve_model
+
+        return load_gguf_arch(resolve_model(model_dir))
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"{model_dir!r} is not a model directory: no config.json")

@@ -103,6 +103,19 @@ class Tokenizer:
                                          bool(config.get("add_eos_token")))
 
     @classmethod
+    def from_pretrained(cls, model: str) -> Tokenizer:
+        """The tokenizer of a model directory or of a GGUF file (rebuilt from its metadata)."""
+        from engine.models.source import is_gguf, resolve_model
+
+        model = resolve_model(model)
+        if is_gguf(model):
+            from engine.models.gguf_file import open_gguf
+            from engine.models.gguf_tokenizer import gguf_tokenizer
+
+            return gguf_tokenizer(open_gguf(model))
+        return cls.from_dir(model)
+
+    @classmethod
     def from_dir(cls, model_dir: str) -> Tokenizer:
         path = os.path.join(model_dir, "tokenizer.json")
         if not os.path.isfile(path):

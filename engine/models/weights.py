@@ -42,7 +42,7 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return files
 
 
-class _Slot:
+class Slot:
     """Where one checkpoint tensor lands: dest[rows] (or dest[:, cols]) <- src[shard]."""
 
     __slots__ = ("dest", "dim", "start", "length", "shard_dim", "shard_start")
@@ -60,39 +60,40 @@ class _Slot:
         return self.dest.narrow(self.dim, self.start, self.length)
 
 
-def _layer_slots(model: CausalLM, i: int) -> dict[str, _Slot]:
+def _layer_slots(model: CausalLM, i: int) -> dict[str, Slot]:
     layer = model.layers[i]
     r = model.tp_rank
     qs, kvs, inter = layer.q_size, layer.kv_size, layer.inter_size
     p = "self_attn."
     slots = {
-        "input_layernorm.weight": _Slot(layer.input_norm),
-        "post_attention_layernorm.weight": _Slot(layer.post_attn_norm),
-        p + "q_proj.weight": _Slot(layer.qkv_weight, 0, 0, qs, 0, r * qs),
-        p + "k_proj.weight": _Slot(layer.qkv_weight, 0, qs, kvs, 0, r * kvs),
-        p + "v_proj.weight": _Slot(layer.qkv_weight, 0, qs + kvs, kvs, 0, r * kvs),
-        p + "o_proj.weight": _Slot(layer.o_weight, 1, 0, qs, 1, r * qs),
-        "mlp.gate_proj.weight": _Slot(layer.gate_up_weight, 0, 0, inter, 0, r * inter),
-        "mlp.up_proj.weight": _Slot(layer.gate_up_weight, 0, inter, inter, 0, r * inter),
-        "mlp.down_proj.weight": _Slot(layer.down_weight, 1, 0, inter, 1, r * inter),
+        "input_layernorm.weight": Slot(layer.input_norm),
+        "post_attention_layernorm.weight": Slot(layer.post_attn_norm),
+        p + "q_proj.weight": Slot(layer.qkv_weight, 0, 0, qs, 0, r * qs),
+        p + "k_proj.weight": Slot(layer.qkv_weight, 0, qs, kvs, 0, r * kvs),
+        p + "v_proj.weight": Slot(layer.qkv_weight, 0, qs + kvs, kvs, 0, r * kvs),
+        p + "o_proj.weight": Slot(layer.o_weight, 1, 0, qs, 1, r * qs),
+        "mlp.gate_proj.weight": Slot(layer.gate_up_weight, 0, 0, inter, 0, r * inter),
+        "mlp.up_proj.weight": Slot(layer.gate_up_weight, 0, inter, inter, 0, r * inter),
+        "mlp.down_proj.weight": Slot(layer.down_weight, 1, 0, inter, 1, r * inter),
     }
     if layer.qkv_bias is not None:
-        slots[p + "q_proj.bias"] = _Slot(layer.qkv_bias, 0, 0, qs, 0, r * qs)
-        slots[p + "k_proj.bias"] = _Slot(layer.qkv_bias, 0, qs, kvs, 0, r * kvs)
-        slots[p + "v_proj.bias"] = _Slot(layer.qkv_bias, 0, qs + kvs, kvs, 0, r * kvs)
+        slots[p + "q_proj.bias"] = Slot(layer.qkv_bias, 0, 0, qs, 0, r * qs)
+        slots[p + "k_proj.bias"] = Slot(layer.qkv_bias, 0, qs, kvs, 0, r * kvs)
+        slots[p + "v_proj.bias"] = Slot(layer.qkv_bias, 0, qs + kvs, kvs, 0, r * kvs)
     if layer.o_bias is not None:
-        slots[p + "o_proj.bias"] = _Slot(layer.o_bias)
+        slots[p + "o_proj.bias"] = Slot(layer.o_bias)
     if layer.q_norm is not None:
-        slots[p + "q_norm.weight"] = _Slot(layer.q_norm)
-        slots[p + "k_norm.weight"] = _Slot(layer.k_norm)
+        slots[p + "q_norm.weight"] = Slot(layer.q_norm)
+        slots[p + "k_norm.weight"] = Slot(layer.k_norm)
     return {f"model.layers.{i}.{name}": slot for name, slot in slots.items()}
 
 
-def _all_slots(model: CausalLM) -> dict[str, _Slot]:
-    slots = {"model.embed_tokens.weight": _Slot(model.embed_tokens),
-             "model.norm.weight": _Slot(model.norm)}
+def parameter_slots(model: CausalLM) -> dict[str, Slot]:
+    """Hugging Face tensor name -> where it lands in `model` (shared with the GGUF loader)."""
+    slots = {"model.embed_tokens.weight": Slot(model.embed_tokens),
+             "model.norm.weight": Slot(model.norm)}
     if not model.arch.tie_word_embeddings:
-        slots["lm_head.weight"] = _Slot(model.lm_head)
+        slots["lm_head.weight"] = Slot(model.lm_head)
     for i in range(model.arch.num_layers):
         slots.update(_layer_slots(model, i))
     return slots
@@ -114,7 +115,7 @@ def _is_ignored(name: str, model: CausalLM) -> bool:
 
 def load_weights(model: CausalLM, model_dir: str) -> None:
     """Fill every parameter of `model` from the checkpoint in `model_dir`."""
-    slots = _all_slots(model)
+    slots = parameter_slots(model)
     files = checkpoint_files(model_dir)
     by_file: dict[str, list[str]] = {}
     unexpected = []
@@ -138,7 +139,7 @@ def load_weights(model: CausalLM, model_dir: str) -> None:
                          + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
 
 
-def _copy(f, name: str, slot: _Slot, tp_size: int) -> None:
+def _copy(f, name: str, slot: Slot, tp_size: int) -> None:
     target = slot.target()
     sl = f.get_slice(name)
     shape = list(sl.get_shape())

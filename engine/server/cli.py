@@ -1,4 +1,4 @@
-"""`pdserve serve MODEL_DIR …` (also `python -m engine.server`): one engine behind the
+"""`pdserve serve MODEL …` (also `python -m engine.server`): one engine behind the
 OpenAI-compatible HTTP API. `pdserve prefill` / `pdserve decode` reuse `add_serve_args` and
 `serve_main(args, role_defaults=…)` with their connector defaults.
 
@@ -41,7 +41,9 @@ _ENGINE_FLAGS = (
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `pdserve serve` (docs/design.md §3). Engine flags default to None, i.e. to
     EngineConfig's defaults."""
-    parser.add_argument("model", metavar="MODEL_DIR", help="local Hugging Face model directory")
+    parser.add_argument("model", metavar="MODEL",
+                        help="local Hugging Face model directory, a llama .gguf file, or an "
+                             "alias of a packaged model (smollm2)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or None,
@@ -146,6 +148,9 @@ def serve_main(args: argparse.Namespace, *, role_defaults: Mapping[str, Any] | N
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args, role_defaults)
+        from engine.models import load_arch
+
+        load_arch(config.model)  # an unusable model is a one-line error, before any process
         settings = ServerSettings(api_key=args.api_key, public_metrics=args.public_metrics,
                                   max_request_body_bytes=args.max_request_body_bytes,
                                   kv_transfer_info=kv_transfer_info(config))

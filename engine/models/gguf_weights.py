@@ -1,0 +1,121 @@
+"""GGUF tensors -> CausalLM parameters, one tensor at a time, dequantized to the model dtype.
+
+Streaming: each tensor is read from the memory-mapped file, dequantized to a float32 array
+(only that tensor's), un-permuted if it is a q/k projection, sharded, and copied (cast) into its
+place in the model; then dropped. Peak memory is the model in its serving dtype plus about one
+float32 tensor (the embedding is the largest) and the file's pages (file-backed, shared with
+every process mapping it), never a second copy of the model.
+
+llama.cpp's converter permutes the rows of q_proj and k_proj per head from Hugging Face's
+rotate-half layout (first half / second half of a head) into interleaved pairs (its rope
+kernel's layout); `unpermute_qk` undoes it so our rotate-half rope sees HF's weights.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+
+from engine.models.causal_lm import CausalLM
+from engine.models.gguf_file import GGUFFile, check_tensor_types, open_gguf
+from engine.models.gguf_reader import TensorInfo
+from engine.models.weights import Slot, parameter_slots
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a llama GGUF tensor; None for names we do not know."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's `permute(w, n_head)`: interleaved rope pairs -> rotate-half rows."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return (weight.reshape(num_heads, half, 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def dequantize(gf: GGUFFile, tensor: TensorInfo) -> np.ndarray:
+    """float32 array in Hugging Face orientation ([out, in] for matrices) of one GGUF tensor."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as _dequantize
+
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists ne0 (columns) first
+    data = gf.reader.data(tensor)
+    return np.asarray(_dequantize(data, GGMLQuantizationType(tensor.type_id)),
+                      dtype=np.float32).reshape(shape)
+
+
+def load_gguf_weights(model: CausalLM, path: str) -> None:
+    """Fill every parameter of `model` from the GGUF file at `path`.
+
+    Raises ValueError naming the tensor when one is missing, unknown, of an unsupported type
+    or of the wrong shape; type checks run before any data is read.
+    """
+    gf = open_gguf(path)
+    check_tensor_types(gf)
+    slots = parameter_slots(model)
+    tied = model.arch.tie_word_embeddings
+    unknown = [t.name for t in gf.reader.tensors if hf_name(t.name) is None]
+    if unknown:
+        raise ValueError(f"{path}: unexpected tensors for llama: {', '.join(unknown[:8])}")
+    loaded: set[str] = set()
+    for tensor in gf.reader.tensors:
+        name = hf_name(tensor.name)
+        if name == "lm_head.weight" and tied:
+            continue
+        if name not in slots:
+            raise ValueError(f"{path}: unexpected tensor {tensor.name} ({name})")
+        weight = dequantize(gf, tensor)
+        if name.endswith("q_proj.weight"):
+            weight = unpermute_qk(weight, model.arch.num_heads)
+        elif name.endswith("k_proj.weight"):
+            weight = unpermute_qk(weight, model.arch.num_kv_heads)
+        _copy(weight, tensor.name, slots[name], model.tp_size)
+        loaded.add(name)
+        del weight
+    missing = sorted(set(slots) - loaded)
+    if missing:
+        raise ValueError(f"{path}: missing tensors: {', '.join(missing[:8])}"
+                         + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+
+
+def _copy(weight: np.ndarray, name: str, slot: Slot, tp_size: int) -> None:
+    target = slot.target()
+    full = list(target.shape)
+    if slot.shard_dim is not None:
+        full[slot.shard_dim] *= tp_size
+    if list(weight.shape) != full:
+        raise ValueError(f"tensor {name} has shape {list(weight.shape)}, expected {full}")
+    if not weight.flags.writeable:  # a float32 tensor is a view of the read-only mapping
+        weight = weight.copy()
+    src = torch.from_numpy(weight)
+    if slot.shard_dim is not None and tp_size > 1:
+        src = src.narrow(slot.shard_dim, slot.shard_start, target.shape[slot.shard_dim])
+    with torch.no_grad():
+        target.copy_(src)
