@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import sys
 import time
 
@@ -112,7 +113,10 @@ def main(args: argparse.Namespace) -> int:
     connector = "NixlPushConnector" if args.mode == "push" else "NixlConnector"
     common = ["--served-model-name", name, "--num-kv-blocks", "512",
               "--kv-connector", connector, "--log-level", "warning"]
-    env = {"OMP_NUM_THREADS": "1"}
+    # P and D share a fresh KV secret: the demo runs the authenticated side channel
+    # (docs/security.md), passed in the environment as a deployment should.
+    env = {"OMP_NUM_THREADS": "1",
+           "PDSERVE_KV_SECRET": os.environ.get("PDSERVE_KV_SECRET") or secrets.token_hex(32)}
     servers: list[ServerProcess] = []
     try:
         print("starting prefill (P) and decode (D) engines ...", flush=True)
