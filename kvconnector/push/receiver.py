@@ -286,11 +286,7 @@ class Receiver:
             if w.addr == addr:
                 self._cancel(rid, f"prefill engine {w.reg.remote_engine_id} at "
                                   f"{addr[0]}:{addr[1]} is unreachable")
-        for rid, reg in list(self.unsent.items()):
-            if (reg.remote_host, reg.remote_port) == addr:
-                del self.unsent[rid]
-                self._fail(rid, f"prefill engine at {addr[0]}:{addr[1]} is unreachable",
-                           safe=True)
+        self._fail_unsent(addr, "is unreachable")
 
     def _peer_gone(self, addr: Address) -> None:
         """P's process at `addr` no longer exists: nothing it held can be written any more."""
@@ -304,16 +300,20 @@ class Receiver:
                 del self.waiting[rid]
                 self._fail(rid, f"prefill engine {w.reg.remote_engine_id} at {where} is gone",
                            safe=True)
-        for rid, reg in list(self.unsent.items()):
-            if (reg.remote_host, reg.remote_port) == addr:
-                del self.unsent[rid]
-                self._fail(rid, f"prefill engine at {where} is gone", safe=True)
+        self._fail_unsent(addr, "is gone")
         for rid, (qaddr, _) in list(self.quarantine.items()):
             if qaddr == addr:
                 del self.quarantine[rid]
                 self.safe.add(rid)
                 self._settle(rid)
         self.peers.forget(addr)
+
+    def _fail_unsent(self, addr: Address, what: str) -> None:
+        """Registrations for P at `addr` that never left D fail over (nothing can land)."""
+        for rid, reg in list(self.unsent.items()):
+            if (reg.remote_host, reg.remote_port) == addr:
+                del self.unsent[rid]
+                self._fail(rid, f"prefill engine at {addr[0]}:{addr[1]} {what}", safe=True)
 
     def addresses_in_use(self) -> set[Address]:
         """P addresses a request still needs (never pruned as idle)."""
