@@ -7,6 +7,8 @@ PUSH_FAIL queued for an address that turns out to serve another agent.
 
 from __future__ import annotations
 
+from push_fakes import FakeTransport
+
 from kvconnector import wire
 from kvconnector.peers import PeerState
 from kvconnector.push.meta import FinishedBlocks, Registration
@@ -15,28 +17,6 @@ from kvconnector.push.sender import Sender, SenderStats
 from kvconnector.security import prompt_digest
 
 D_ADDR, P_ADDR = ("127.0.0.1", 7002), ("127.0.0.1", 7001)
-
-
-class Transport:
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, bytes]] = []
-        self.writes: list[tuple[str, list[int], list[int]]] = []
-
-    def send_notif(self, agent: str, msg: bytes) -> None:
-        self.sent.append((agent, msg))
-
-    def write(self, agent: str, p_ids: list[int], d_ids: list[int], notif: bytes) -> object:
-        self.writes.append((agent, list(p_ids), list(d_ids)))
-        return object()
-
-    def check(self, handle: object) -> str:
-        return "DONE"
-
-    def release(self, handle: object) -> bool:
-        return True
-
-    def peers(self) -> list[str]:
-        return []
 
 
 class Peers:
@@ -62,8 +42,8 @@ class Peers:
         return []
 
 
-def _sender() -> tuple[Sender, Transport, Peers]:
-    t, peers = Transport(), Peers()
+def _sender() -> tuple[Sender, FakeTransport, Peers]:
+    t, peers = FakeTransport(), Peers()
     sender = Sender(t, peers, lambda: 100.0, lease=5.0, ttl=10.0, tp_size=1,
                     bytes_per_block=64, stats=SenderStats())
     return sender, t, peers
@@ -130,7 +110,7 @@ def test_p_acts_on_heartbeats_and_cancels_only_from_the_registering_agent():
 
 
 def test_d_acts_on_p_notifications_only_from_the_agent_loaded_for_that_p():
-    t, peers = Transport(), Peers()
+    t, peers = FakeTransport(), Peers()
     peers.finish(P_ADDR, "P0-tp0")
     identity = {"decode_engine_id": "D0", "decode_host": D_ADDR[0],
                 "decode_port": D_ADDR[1], "decode_tp_size": 1}

@@ -19,6 +19,7 @@ import threading
 
 import msgspec
 import pytest
+from push_fakes import Clock, FakeTransport
 
 from kvconnector import wire
 from kvconnector.peers import ALIVE, GONE, SILENT, PeerState
@@ -30,45 +31,7 @@ from kvconnector.security import prompt_digest
 
 TTL, LEASE = 10.0, 5.0
 D_AGENT, D_ADDR = "D0-tp0", ("127.0.0.1", 7002)
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class FakeTransport:
-    def __init__(self) -> None:
-        self.inbox: list[tuple[str, bytes]] = []
-        self.sent: list[tuple[str, bytes]] = []
-        self.writes: list[tuple[str, list[int], list[int]]] = []
-        self.loaded = {D_AGENT, "P0-tp0"}
-
-    def get_new_notifs(self) -> list[tuple[str, bytes]]:
-        out, self.inbox = self.inbox, []
-        return out
-
-    def send_notif(self, agent: str, msg: bytes) -> None:
-        self.sent.append((agent, msg))
-
-    def write(self, agent: str, p_ids: list[int], d_ids: list[int], notif: bytes) -> object:
-        self.writes.append((agent, list(p_ids), list(d_ids)))
-        return object()
-
-    def check(self, handle: object) -> str:
-        return "DONE"
-
-    def release(self, handle: object) -> bool:
-        return True
-
-    def peers(self) -> list[str]:
-        return sorted(self.loaded)
-
-    def kinds(self) -> list[str]:
-        return [wire.notif_kind(m) for _, m in self.sent if not m.startswith(b"HB:")]
+LOADED = (D_AGENT, "P0-tp0")  # the agents the fake transport has loaded
 
 
 class FakePeers:
@@ -117,7 +80,7 @@ def _d_receiver(clock: Clock, t: FakeTransport, peers: FakePeers) -> Receiver:
 
 
 def _p_writer(clock: Clock) -> tuple[PushWriter, FakeTransport, Sender]:
-    t, peers = FakeTransport(), FakePeers(D_AGENT)
+    t, peers = FakeTransport(LOADED), FakePeers(D_AGENT)
     sender = Sender(t, peers, clock, lease=LEASE, ttl=TTL, tp_size=1, bytes_per_block=64,
                     stats=SenderStats())
     receiver = Receiver(t, peers, clock, identity={}, ttl=TTL, hb_interval=1.0, grace=1.0,
@@ -169,7 +132,7 @@ def test_a_registration_found_after_a_short_pause_is_written():
 
 
 def test_d_cancels_at_a_peer_it_declared_dead():
-    clock, t = Clock(), FakeTransport()
+    clock, t = Clock(), FakeTransport(LOADED)
     peers = FakePeers("P0-tp0")
     r = _d_receiver(clock, t, peers)
     r.on_registration(Registration("d-1", "t-1", [7, 8], 0, 20, "P0", "127.0.0.1", 7001, 1))
@@ -184,7 +147,7 @@ def test_d_cancels_at_a_peer_it_declared_dead():
 
 
 def test_d_frees_quarantined_blocks_at_once_when_p_is_gone():
-    clock, t, peers = Clock(), FakeTransport(), FakePeers("P0-tp0")
+    clock, t, peers = Clock(), FakeTransport(LOADED), FakePeers("P0-tp0")
     r = _d_receiver(clock, t, peers)
     p_addr = ("127.0.0.1", 7001)
     for i in range(3):
@@ -203,7 +166,7 @@ def test_d_frees_quarantined_blocks_at_once_when_p_is_gone():
 
 
 def test_d_ignores_a_verdict_about_an_agent_it_no_longer_uses():
-    clock, t, peers = Clock(), FakeTransport(), FakePeers("P0-tp0")
+    clock, t, peers = Clock(), FakeTransport(LOADED), FakePeers("P0-tp0")
     r = _d_receiver(clock, t, peers)
     r.on_registration(Registration("d-0", "t-0", [1], 0, 10, "P0", "127.0.0.1", 7001, 1))
     r.poll()
@@ -212,7 +175,7 @@ def test_d_ignores_a_verdict_about_an_agent_it_no_longer_uses():
 
 
 def test_d_takes_back_a_failed_p_that_answers_again():
-    clock, t, peers = Clock(), FakeTransport(), FakePeers("P0-tp0")
+    clock, t, peers = Clock(), FakeTransport(LOADED), FakePeers("P0-tp0")
     r = _d_receiver(clock, t, peers)
     peers.mark_failed(("127.0.0.1", 7001), "not answering")
     r.on_probe(("127.0.0.1", 7001), ALIVE, "P0-tp0")
@@ -224,7 +187,7 @@ def test_p_refuses_registrations_beyond_its_caps(monkeypatch):
 
     monkeypatch.setattr(sender_mod, "MAX_REGS_PER_AGENT", 3)
     clock = Clock()
-    t, peers = FakeTransport(), FakePeers(D_AGENT)
+    t, peers = FakeTransport(LOADED), FakePeers(D_AGENT)
     sender = Sender(t, peers, clock, lease=LEASE, ttl=TTL, tp_size=1, bytes_per_block=64,
                     stats=SenderStats(), num_blocks=16)
     for i in range(5):
@@ -371,7 +334,7 @@ def test_any_error_on_the_send_path_is_push_fail_and_frees_the_blocks(where, mon
 
 
 def test_d_heartbeats_a_transfer_without_id_by_its_base_id_and_skips_uncarriable_ids():
-    clock, t = Clock(), FakeTransport()
+    clock, t = Clock(), FakeTransport(LOADED)
     peers = FakePeers("P0-tp0")
     r = _d_receiver(clock, t, peers)
     r.on_registration(Registration("vllm-9-1a2b3c4d", "", [7, 8], 0, 20, "P0", "127.0.0.1",
