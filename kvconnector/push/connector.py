@@ -23,7 +23,7 @@ from kvconnector.push.sender import Sender, SenderStats
 from kvconnector.push.writer import PushWriter
 from kvconnector.worker import NixlWorker
 
-__all__ = ["PushScheduler", "PushWorker", "make", "request_params_validator"]
+__all__ = ["PushWorker", "make", "request_params_validator"]
 
 
 class PushWorker(NixlWorker):
