@@ -46,6 +46,7 @@ class InputKind(enum.Enum):
     ABORT = "abort"
     UTILITY = "utility"
     WAKEUP = "wakeup"  # no payload: re-check the shutdown flag
+    FATAL = "fatal"  # payload: why the engine cannot go on (a TP worker died)
 
 
 class EngineCoreLoop:
@@ -124,6 +125,8 @@ class EngineCoreLoop:
             self.core.abort_requests(payload)
         elif kind is InputKind.UTILITY:
             self._utility(payload)
+        elif kind is InputKind.FATAL:
+            raise RuntimeError(payload)
         # WAKEUP: nothing to do; the caller re-checks the shutdown flag.
 
     def _add(self, request: EngineCoreRequest) -> None:

@@ -1,0 +1,77 @@
+"""Tensor parallelism across real processes: `pdserve serve --tensor-parallel-size 2` runs
+EngineCore + 2 worker processes; a worker that dies fails every request fast and the API
+server keeps answering."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+from pd_harness import wait_until
+from server_streams import Stream
+
+from engine.server.launcher import launch_server
+
+MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def tp_server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
+    log = os.path.join(str(tmp_path_factory.mktemp("tp-logs")), "tp2.log")
+    server = launch_server(tiny_model, "--served-model-name", "tiny", "--num-kv-blocks", "256",
+                           "--max-model-len", str(MAX_MODEL_LEN), "--tensor-parallel-size",
+                           "2", wait=False, log_path=log)
+    try:
+        server.wait_healthy(300)
+        yield server
+    finally:
+        server.stop()
+
+
+def _stats(url: str) -> dict:
+    return httpx.get(url + "/engine_stats", timeout=10).json()
+
+
+def test_tp2_server_runs_engine_core_and_two_workers(tp_server):
+    r = httpx.post(tp_server.url + "/v1/completions", timeout=60,
+                   json={"model": "tiny", "prompt": "hello", "max_tokens": 5, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    pids = _stats(tp_server.url)["tp_worker_pids"]
+    assert len(pids) == 2
+    workers = [psutil.Process(p) for p in pids]
+    core = workers[0].parent()
+    assert workers[1].parent().pid == core.pid and core.parent().pid == tp_server.pid
+
+
+def test_killing_one_worker_fails_every_request_fast_and_the_server_answers(tp_server):
+    longest = MAX_MODEL_LEN - 16
+    streams = [Stream(tp_server.url, longest) for _ in range(3)]
+    for s in streams:
+        s.start()
+    for s in streams:
+        assert s.first.wait(120) and s.status == 200 and s.events
+    pids = _stats(tp_server.url)["tp_worker_pids"]
+    survivors = [psutil.Process(p) for p in pids[:1]]
+    core = survivors[0].parent()
+    os.kill(pids[1], signal.SIGKILL)
+    killed = time.monotonic()
+    for s in streams:
+        s.join(10)
+        assert s.ended_at is not None and s.ended_at - killed < 2.0
+        errors = [json.loads(e) for e in s.events if e != "[DONE]" and "error" in json.loads(e)]
+        assert s.error is not None or errors, s.events[-3:]
+        if errors:
+            assert errors[-1]["error"]["code"] == "engine_dead"
+    r = httpx.get(tp_server.url + "/health", timeout=5)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    r = httpx.post(tp_server.url + "/v1/completions", json={"prompt": "x"}, timeout=5)
+    assert r.status_code == 503
+    assert tp_server.process.poll() is None
+    # No orphans: the engine core and the other worker go away too.
+    wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                               for p in [core, *survivors]), 30, "core and worker 0 to exit")
