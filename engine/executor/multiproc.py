@@ -31,6 +31,8 @@ from engine.config import EngineConfig
 from engine.executor import messages as m
 from engine.executor.shm_broadcast import RingGone, ShmReader, ShmWriter
 from engine.executor.worker_proc import worker_main
+from engine.models import load_arch
+from engine.models.parallel import check_tp
 from engine.server.launcher import free_port
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig,
                  on_failure: Callable[[str], None] | None = None) -> None:
         self.tp_size = config.tensor_parallel_size
+        check_tp(load_arch(config.model), self.tp_size)  # a clear error before any spawn
         self.on_failure = on_failure
         self.failure: str | None = None
         self._closing = False

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.executor import messages as m
 from engine.executor.shm_broadcast import RingGone, RingHandle, ShmReader, ShmWriter
+from engine.models.parallel import Collectives
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class Worker:
 
         self.rank = rank
         self.runner = ModelRunner(config, tp_rank=rank, tp_size=tp_size,
-                                  all_reduce=all_reduce if tp_size > 1 else None)
+                                  comm=Collectives(all_reduce, all_gather))
 
     def execute_model(self, so: Any) -> Any:
         return self.runner.execute_model(so)
@@ -68,6 +69,13 @@ def all_reduce(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def all_gather(t: torch.Tensor) -> torch.Tensor:
+    """[N, k] on each rank -> [N, T*k], ranks side by side."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t)
+    return torch.cat(parts, dim=-1)
+
+
 def _watch_parent(rank: int) -> None:
     parent = multiprocessing.parent_process()
     if parent is None:
@@ -88,6 +96,7 @@ def worker_main(config: dict[str, Any], rank: int, tp_size: int, dist_port: int,
     threading.Thread(target=_watch_parent, args=(rank,), name=f"WorkerParentWatch_{rank}",
                      daemon=True).start()
     torch.set_num_threads(threads)
+    torch.manual_seed(config["seed"])  # every rank samples the same tokens
     response: ShmWriter | None = None
     try:
         cfg = EngineConfig(**config)

@@ -15,7 +15,7 @@ import torch
 from engine.config import EngineConfig
 from engine.kv_connector import KVCacheSpec, KVConnectorWorker
 from engine.models import load_arch, load_model
-from engine.models.layers import AllReduceFn
+from engine.models.parallel import Collectives
 from engine.protocol import SamplingParams
 from engine.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.worker import kernels
@@ -51,14 +51,14 @@ class CachedRequest:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, *, tp_rank: int = 0, tp_size: int = 1,
-                 all_reduce: AllReduceFn | None = None) -> None:
+                 comm: Collectives | None = None) -> None:
         """With tp_size > 1 this is rank tp_rank's runner in a worker process: it holds that
-        rank's model shard and KV heads, and `all_reduce` sums across the ranks."""
+        rank's model shard and KV heads, and `comm` talks across the ranks."""
         self.config = config
         self.device = torch.device(config.device)
         self.arch = load_arch(config.model)
         self.model = load_model(config.model, config.dtype, config.device, tp_rank=tp_rank,
-                                tp_size=tp_size, all_reduce=all_reduce)
+                                tp_size=tp_size, comm=comm)
         self.max_model_len = config.resolved_max_model_len(self.arch.max_position_embeddings)
         self.block_size = config.block_size
         self.kv_cache_spec = self._kv_cache_spec()
