@@ -10,10 +10,9 @@ import base64
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
-from engine.executor.multiproc import MultiprocExecutor
 from engine.kv_connector import make_connector
 from engine.protocol import (
     EngineCoreOutputs,
@@ -24,6 +23,9 @@ from engine.protocol import (
 from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import Scheduler
 from engine.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from engine.executor.multiproc import MultiprocExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,8 @@ class EngineCore:
         self.config = config
         self.tp_executor: MultiprocExecutor | None = None
         if config.tensor_parallel_size > 1:
+            from engine.executor.multiproc import MultiprocExecutor
+
             self.runner = None
             self.tp_executor = MultiprocExecutor(config, on_worker_failure)
             self.executor: Any = self.tp_executor

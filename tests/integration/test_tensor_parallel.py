@@ -21,16 +21,25 @@ MAX_MODEL_LEN = 512
 
 
 @pytest.fixture(scope="module")
-def tp_server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
-    log = os.path.join(str(tmp_path_factory.mktemp("tp-logs")), "tp2.log")
-    server = launch_server(tiny_model, "--served-model-name", "tiny", "--num-kv-blocks", "256",
-                           "--max-model-len", str(MAX_MODEL_LEN), "--tensor-parallel-size",
-                           "2", wait=False, log_path=log)
+def tp_servers(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
+    """Two TP=2 servers started together: one busy when a worker dies, one idle."""
+    logs = str(tmp_path_factory.mktemp("tp-logs"))
+    servers = {name: launch_server(
+        tiny_model, "--served-model-name", "tiny", "--num-kv-blocks", "256",
+        "--max-model-len", str(MAX_MODEL_LEN), "--tensor-parallel-size", "2", wait=False,
+        log_path=os.path.join(logs, f"{name}.log")) for name in ("busy", "idle")}
     try:
-        server.wait_healthy(300)
-        yield server
+        for s in servers.values():
+            s.wait_healthy(300)
+        yield servers
     finally:
-        server.stop()
+        for s in servers.values():
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def tp_server(tp_servers):
+    return tp_servers["busy"]
 
 
 def _stats(url: str) -> dict:
@@ -75,3 +84,19 @@ def test_killing_one_worker_fails_every_request_fast_and_the_server_answers(tp_s
     # No orphans: the engine core and the other worker go away too.
     wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
                                for p in [core, *survivors]), 30, "core and worker 0 to exit")
+
+
+def test_a_worker_dying_while_the_engine_is_idle_marks_it_dead_at_once(tp_servers):
+    server = tp_servers["idle"]
+    pids = _stats(server.url)["tp_worker_pids"]
+    os.kill(pids[0], signal.SIGKILL)
+    killed = time.monotonic()
+
+    def dead() -> bool:
+        return httpx.get(server.url + "/health", timeout=5).status_code == 503
+
+    wait_until(dead, 2.0, "/health to report the dead engine")
+    assert time.monotonic() - killed < 2.0
+    r = httpx.post(server.url + "/v1/completions", timeout=5,
+                   json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
