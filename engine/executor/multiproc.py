@@ -197,7 +197,7 @@ class MultiprocExecutor:
                 p.kill()
                 p.join(timeout=_SHUTDOWN_JOIN_S)
         for r in getattr(self, "responses", []):
-            r.close()
+            r.close(unlink=True)  # a killed worker cannot; after a clean exit it is a no-op
         self.broadcast.close()
 
 

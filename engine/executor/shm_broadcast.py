@@ -224,8 +224,12 @@ class ShmReader:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError("no message on the ring in time")
 
-    def close(self) -> None:
-        self.ring.shm.close()
+    def close(self, unlink: bool = False) -> None:
+        """unlink: also remove the segment — its writer was killed and could not."""
+        if unlink:
+            _unlink(self.ring.shm)
+        else:
+            self.ring.shm.close()
 
 
 def _unlink(shm: SharedMemory) -> None:

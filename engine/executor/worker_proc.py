@@ -123,7 +123,7 @@ def worker_main(config: dict[str, Any], rank: int, tp_size: int, dist_port: int,
     except RingGone:
         code = EXIT_PARENT_DIED
     except Exception:
-        logger.exception("worker %d: fatal error", rank)
+        logger.exception("worker %d: fatal error; exiting", rank)
         code = 1
     finally:
         response.close()
@@ -134,14 +134,19 @@ def worker_main(config: dict[str, Any], rank: int, tp_size: int, dist_port: int,
 
 def _busy_loop(worker: Worker, reader: ShmReader, response: ShmWriter,
                sentinels: list) -> None:
+    """Runs RPCs until `shutdown`. A failing RPC is fatal for the worker: the other ranks may
+    be waiting for it in an all-reduce, so it answers the error (when asked) and exits; its
+    exit is what the executor's monitor turns into ENGINE_CORE_DEAD."""
     while True:
         call, arg = m.decode_call(reader.get(sentinels))
         try:
-            result, error = getattr(worker, call.method)(arg), None
-        except Exception as e:  # the executor turns it into an engine error
-            logger.exception("worker %d: %s failed", worker.rank, call.method)
-            result, error = None, f"{type(e).__name__}: {e}"
+            result = getattr(worker, call.method)(arg)
+        except Exception as e:
+            if call.reply_rank in (m.ALL_RANKS, worker.rank):
+                response.put(m.encode_reply(worker.rank, call.method,
+                                            error=f"{type(e).__name__}: {e}"), sentinels)
+            raise
         if call.reply_rank in (m.ALL_RANKS, worker.rank):
-            response.put(m.encode_reply(worker.rank, call.method, result, error), sentinels)
+            response.put(m.encode_reply(worker.rank, call.method, result), sentinels)
         if call.method == "shutdown":
             return
