@@ -1,12 +1,14 @@
 """Tensor parallelism across real processes: `pdserve serve --tensor-parallel-size 2` runs
-EngineCore + 2 worker processes; a worker that dies fails every request fast and the API
-server keeps answering."""
+EngineCore + 2 worker processes; a worker that dies (busy or idle) fails every request fast
+and the API server keeps answering; P/D roles with TP > 1 are refused naming why."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -100,3 +102,16 @@ def test_a_worker_dying_while_the_engine_is_idle_marks_it_dead_at_once(tp_server
     r = httpx.post(server.url + "/v1/completions", timeout=5,
                    json={"model": "tiny", "prompt": "x", "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+
+
+def test_pd_roles_with_tp_above_one_are_refused_with_a_clear_error(tiny_model):
+    from engine.config import EngineConfig
+
+    push = {"kv_connector": "NixlPushConnector", "kv_role": "kv_producer"}
+    with pytest.raises(ValueError, match="P/D with tensor_parallel_size > 1 is not supported"):
+        EngineConfig(model=tiny_model, tensor_parallel_size=2, kv_transfer_config=push)
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "decode", tiny_model,
+                        "--tensor-parallel-size", "2"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0
+    assert "P/D with tensor_parallel_size > 1 is not supported yet" in r.stderr
