@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 from multiprocessing.connection import Connection, wait
@@ -93,6 +94,10 @@ def worker_main(config: dict[str, Any], rank: int, tp_size: int, dist_port: int,
                         format=f"%(asctime)s %(levelname)s [TPWorker_{rank} pid=%(process)d] "
                                "%(name)s: %(message)s")
     threading.current_thread().name = f"TPWorker_{rank}"
+    # Ctrl-C reaches the whole process group: the EngineCore drains, and its workers must
+    # keep serving until it says `shutdown` (or is gone), so they ignore SIGINT / SIGTERM.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(rank,), name=f"WorkerParentWatch_{rank}",
                      daemon=True).start()
     torch.set_num_threads(threads)
