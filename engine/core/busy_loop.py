@@ -68,6 +68,16 @@ class EngineCoreLoop:
         self.num_malformed_inputs = 0  # bumped by the input thread (single writer)
         self._stopping = False
         self._drain_deadline: float | None = None
+        executor = getattr(core, "tp_executor", None)
+        if executor is not None:
+            executor.on_failure = self.fail
+            if executor.failure is not None:
+                self.fail(executor.failure)
+
+    def fail(self, reason: str) -> None:
+        """Any thread (the TP executor's monitor): make `run()` raise now, also when idle, so
+        the owner reports the engine dead at once (a step in flight raises by itself)."""
+        self.input_queue.put_nowait((InputKind.FATAL, reason))
 
     # -- called from other threads / signal handlers ------------------------------------
     def request_shutdown(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
@@ -33,18 +33,17 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """Owns the scheduler and the model runner. `step()` is the whole pipeline."""
 
-    def __init__(self, config: EngineConfig,
-                 on_worker_failure: Callable[[str], None] | None = None) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         """With tensor_parallel_size > 1 the model runs in worker processes driven by a
-        MultiprocExecutor (`on_worker_failure` is called from its monitor thread when one
-        dies); otherwise the runner lives here, in this thread."""
+        MultiprocExecutor (EngineCoreLoop hooks its death callback); otherwise the runner
+        lives here, in this thread."""
         self.config = config
         self.tp_executor: MultiprocExecutor | None = None
         if config.tensor_parallel_size > 1:
             from engine.executor.multiproc import MultiprocExecutor
 
             self.runner = None
-            self.tp_executor = MultiprocExecutor(config, on_worker_failure)
+            self.tp_executor = MultiprocExecutor(config)
             self.executor: Any = self.tp_executor
             self.num_kv_blocks = min(i.num_kv_blocks for i in self.tp_executor.infos)
             self.max_model_len = self.tp_executor.infos[0].max_model_len

@@ -79,7 +79,7 @@ class EngineCoreProc:
         try:
             init = self._hello(hs)
             try:
-                core = EngineCore(config, on_worker_failure=self._on_worker_failure)
+                core = EngineCore(config)
             except Exception as e:
                 hs.send(encode_handshake(HandshakeFailed(error=f"{type(e).__name__}: {e}")))
                 raise
@@ -92,13 +92,6 @@ class EngineCoreProc:
             )))
         finally:
             hs.close()
-
-    def _on_worker_failure(self, reason: str) -> None:
-        """From the executor's monitor thread: make the busy loop raise, so the engine sends
-        ENGINE_CORE_DEAD now, also when it is idle (a step in flight raises by itself)."""
-        loop = getattr(self, "loop", None)
-        if loop is not None:
-            loop.input_queue.put_nowait((InputKind.FATAL, reason))
 
     def _hello(self, hs: zmq.Socket) -> HandshakeInit:
         hs.send(encode_handshake(HandshakeHello(engine_index=self.engine_index, pid=os.getpid())))

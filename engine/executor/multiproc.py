@@ -7,9 +7,10 @@ own response ring (it writes, we read). `execute_model` asks only rank 0 to answ
 every rank (collective RPC).
 
 Failure: a monitor thread ("TPWorkerMonitor") waits on the worker process sentinels. When a
-worker exits outside shutdown it records why and calls `on_failure` (EngineCoreProc turns
-that into ENGINE_CORE_DEAD at once, even when the loop is idle); a step blocked on a response
-ring wakes on the same sentinels and raises WorkerDied. Nothing waits without a sentinel.
+worker exits outside shutdown it records why and calls `on_failure` (EngineCoreLoop.fail:
+the busy loop raises at once, even when idle, and its owner reports the engine dead —
+ENGINE_CORE_DEAD from a core process); a step blocked on a response ring wakes on the same
+sentinels and raises WorkerDied. Nothing waits without a sentinel.
 
 Thread ownership: every method but `failure` / the monitor runs on the engine-core thread.
 """
