@@ -115,3 +115,39 @@ def test_pd_roles_with_tp_above_one_are_refused_with_a_clear_error(tiny_model):
                        timeout=120)
     assert r.returncode != 0
     assert "P/D with tensor_parallel_size > 1 is not supported yet" in r.stderr
+
+
+def test_tp2_sampling_and_logprobs_equal_tp1_and_ranks_stay_in_step(tiny_model):
+    """Seeded sampling draws the same tokens at TP=2 as at TP=1 and logprobs cross the
+    response ring intact. Unseeded sampling keeps the ranks in step: a greedy request that
+    reuses (prefix cache) the blocks of a sampled continuation equals TP=1 computing it
+    from scratch — had rank 1 sampled other tokens, its KV for those blocks would differ."""
+    from engine import LLM, SamplingParams
+
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=24, logprobs=2,
+                            ignore_eos=True)
+    free = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = ["The seeded one", "another prompt here"]
+
+    def ids(outs) -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    tp2 = LLM(tiny_model, num_kv_blocks=128, multiprocess=False, tensor_parallel_size=2)
+    seeded2 = tp2.generate(prompts, seeded, use_tqdm=False)
+    sampled = tp2.generate(prompts, free, use_tqdm=False)
+    conts = [{"prompt_token_ids": list(o.prompt_token_ids) + list(o.outputs[0].token_ids)}
+             for o in sampled]
+    reused = tp2.generate(conts, greedy, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 32 for o in reused), [o.num_cached_tokens for o in reused]
+    tp2.shutdown()
+    tp1 = LLM(tiny_model, num_kv_blocks=128, multiprocess=False)
+    seeded1 = tp1.generate(prompts, seeded, use_tqdm=False)
+    fresh = tp1.generate(conts, greedy, use_tqdm=False)
+    tp1.shutdown()
+    assert ids(seeded2) == ids(seeded1) and ids(reused) == ids(fresh)
+    for a, b in zip(seeded1, seeded2, strict=True):
+        la, lb = a.outputs[0].logprobs, b.outputs[0].logprobs
+        assert len(la) == len(lb) == 24
+        for pa, pb in zip(la, lb, strict=True):
+            assert pa.keys() == pb.keys() and all(abs(pa[t] - pb[t]) < 1e-3 for t in pa)
