@@ -146,7 +146,8 @@ class MultiprocExecutor:
             ranks = range(self.tp_size) if unique_reply_rank is None else [unique_reply_rank]
             results = [self._reply(method, r, sentinels) for r in ranks]
         except RingGone as e:
-            raise WorkerDied(self._describe_death() or str(e)) from None
+            self.failure = self.failure or self._describe_death() or str(e)
+            raise WorkerDied(self.failure) from None
         return results if unique_reply_rank is None else results[0]
 
     def _reply(self, method: str, rank: int, sentinels: list) -> Any:
@@ -190,7 +191,9 @@ class MultiprocExecutor:
             with contextlib.suppress(Exception):
                 self.broadcast.put(m.encode_call("shutdown", None, m.ALL_RANKS),
                                    [p.sentinel for p in self.procs])
-        deadline = time.monotonic() + _SHUTDOWN_JOIN_S
+        # After a death the survivors may sit in an all-reduce that never completes: no wait.
+        wait_s = 0.0 if self.failure is not None else _SHUTDOWN_JOIN_S
+        deadline = time.monotonic() + wait_s
         for p in self.procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
