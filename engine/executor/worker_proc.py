@@ -77,7 +77,7 @@ def all_gather(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def _watch_parent(rank: int) -> None:
+def _watch_parent() -> None:
     parent = multiprocessing.parent_process()
     if parent is None:
         return
@@ -98,7 +98,7 @@ def worker_main(config: dict[str, Any], rank: int, tp_size: int, dist_port: int,
     # keep serving until it says `shutdown` (or is gone), so they ignore SIGINT / SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=_watch_parent, args=(rank,), name=f"WorkerParentWatch_{rank}",
+    threading.Thread(target=_watch_parent, name=f"WorkerParentWatch_{rank}",
                      daemon=True).start()
     torch.set_num_threads(threads)
     torch.manual_seed(config["seed"])  # every rank samples the same tokens
