@@ -46,6 +46,7 @@ class InputKind(enum.Enum):
     ABORT = "abort"
     UTILITY = "utility"
     WAKEUP = "wakeup"  # no payload: re-check the shutdown flag
+    FATAL = "fatal"  # payload: why the engine cannot go on (a TP worker died)
 
 
 class EngineCoreLoop:
@@ -67,6 +68,16 @@ class EngineCoreLoop:
         self.num_malformed_inputs = 0  # bumped by the input thread (single writer)
         self._stopping = False
         self._drain_deadline: float | None = None
+        executor = getattr(core, "tp_executor", None)
+        if executor is not None:
+            executor.on_failure = self.fail
+            if executor.failure is not None:
+                self.fail(executor.failure)
+
+    def fail(self, reason: str) -> None:
+        """Any thread (the TP executor's monitor): make `run()` raise now, also when idle, so
+        the owner reports the engine dead at once (a step in flight raises by itself)."""
+        self.input_queue.put_nowait((InputKind.FATAL, reason))
 
     # -- called from other threads / signal handlers ------------------------------------
     def request_shutdown(self) -> None:
@@ -124,6 +135,8 @@ class EngineCoreLoop:
             self.core.abort_requests(payload)
         elif kind is InputKind.UTILITY:
             self._utility(payload)
+        elif kind is InputKind.FATAL:
+            raise RuntimeError(payload)
         # WAKEUP: nothing to do; the caller re-checks the shutdown flag.
 
     def _add(self, request: EngineCoreRequest) -> None:
