@@ -40,6 +40,7 @@ class MPClientBase(EngineCoreClient):
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         utility_timeout_s: float = 60.0,
         shutdown_timeout_s: float = 5.0,
+        coordinator: Any = None,
     ) -> None:
         self.config = config
         self.engine_index = engine_index
@@ -49,7 +50,8 @@ class MPClientBase(EngineCoreClient):
         try:
             self.core = CoreProcess(config, self.ctx, engine_index=engine_index,
                                     use_tcp=use_tcp, host=host,
-                                    startup_timeout_s=startup_timeout_s)
+                                    startup_timeout_s=startup_timeout_s,
+                                    coordinator=coordinator)
         except BaseException:
             self.ctx.destroy(linger=0)
             raise

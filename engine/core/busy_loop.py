@@ -22,6 +22,7 @@ import enum
 import logging
 import queue
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -46,6 +47,7 @@ class InputKind(enum.Enum):
     ABORT = "abort"
     UTILITY = "utility"
     WAKEUP = "wakeup"  # no payload: re-check the shutdown flag
+    DP_CONTROL = "dp_control"  # a coordinator message (engine.dp.lockstep handles it)
 
 
 class EngineCoreLoop:
@@ -67,6 +69,8 @@ class EngineCoreLoop:
         self.num_malformed_inputs = 0  # bumped by the input thread (single writer)
         self._stopping = False
         self._drain_deadline: float | None = None
+        # Called with each step's SchedulerStats (data parallel: stats to the coordinator).
+        self.on_step: Callable[[Any], None] | None = None
 
     # -- called from other threads / signal handlers ------------------------------------
     def request_shutdown(self) -> None:
@@ -106,6 +110,8 @@ class EngineCoreLoop:
         started = time.perf_counter()
         outputs = self.core.step()
         self.num_steps += 1
+        if self.on_step is not None:
+            self.on_step(outputs.scheduler_stats)
         if outputs.outputs or outputs.finished_requests:
             outputs.engine_index = self.engine_index
             self.output_queue.put_nowait(outputs)
