@@ -230,7 +230,7 @@ class DPLBAsyncClient(AsyncEngineCoreClient):
         if not answers:
             raise EngineDeadError("no data-parallel engine answered")
         if method == "get_stats":
-            return merge_stats(answers, sorted(self.engine_errors), self.balancer)
+            return merge_stats(answers, self)
         if method == "reset_prefix_cache":
             return all(answers.values())
         return answers[min(answers)]
