@@ -59,8 +59,12 @@ class LockstepLoop(EngineCoreLoop):
             self._on_wave(payload)
             return
         super()._handle(kind, payload)
-        if kind is InputKind.ADD and not self.engines_running and self.core.has_work():
+        if kind is InputKind.ADD and not self.engines_running and self._has_requests():
             self._start_wave()
+
+    def _has_requests(self) -> bool:
+        # Not has_work(): that also covers a last bookkeeping step after requests finished.
+        return self.core.scheduler.get_num_unfinished_requests() > 0
 
     def _start_wave(self) -> None:
         self.engines_running = True
@@ -75,7 +79,7 @@ class LockstepLoop(EngineCoreLoop):
             return
         if msg.wave >= self.link.wave:
             self.link.wave, self.engines_running = msg.wave + 1, False
-            if self.core.has_work():  # work came in after this engine last reported idle
+            if self._has_requests():  # work came in after this engine last reported idle
                 self._start_wave()
 
     def stats(self) -> dict[str, Any]:
