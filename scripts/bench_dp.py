@@ -1,6 +1,7 @@
 """Data parallel on one host, in one run, side by side (`pdserve bench serve` against each):
 
   single   one `pdserve serve` engine using both cores (OMP_NUM_THREADS=2)
+  single1  the same engine with one thread (what each DP rank gets)
   dp2      one `pdserve serve --data-parallel-size 2` (two engines, one thread each)
   two      two `pdserve serve` servers (one thread each), requests round-robin over both by
            the load generator (a stateless balancer; no proxy hop: the P/D proxy does not
@@ -28,8 +29,6 @@ from engine.server.launcher import launch_server
 
 UNIFORM = ["--random-input-len", "256", "--random-output-len", "64", "--max-concurrency", "8"]
 SKEWED = ["--random-mix", "0.5:768:96,0.5:32:8", "--request-rate", "{rate}"]
-KEYS = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
-        "median_tpot_ms", "p99_e2el_ms")
 
 
 def _serve(model: str, raw: str, name: str, threads: int, stack: ExitStack, *args: str,
@@ -57,8 +56,8 @@ def _bench(model: str, urls: list[str], raw: str, name: str, workload: list[str]
 def _system(model: str, raw: str, name: str, workload: list[str], n: int) -> dict:
     with ExitStack() as stack:
         common = ["--served-model-name", "bench"]
-        if name == "single":
-            urls = [_serve(model, raw, name, 2, stack, *common)]
+        if name.startswith("single"):
+            urls = [_serve(model, raw, name, 1 if name == "single1" else 2, stack, *common)]
         elif name == "two":
             urls = [_serve(model, raw, f"{name}{i}", 1, stack, *common) for i in range(2)]
         else:
@@ -76,36 +75,61 @@ def _cpu() -> str:
     return f"{model}, {os.cpu_count()} cores visible ({' '.join(flags)})"
 
 
+def _rounds(model: str, raw: str, names: tuple[str, ...], workload: list[str], n: int,
+            rounds: int) -> list[dict[str, dict]]:
+    """Every system once per round, rounds one after another (ABCABC): a drift of the shared
+    machine hits every system, and the per-round ratios show the noise."""
+    out = []
+    for i in range(rounds):
+        sub = os.path.join(raw, f"r{i}")
+        os.makedirs(sub, exist_ok=True)
+        out.append({name: _system(model, sub, name, workload, n) for name in names})
+    return out
+
+
+def _table(rounds: list[dict[str, dict]], base: str, key: str, title: str) -> list[str]:
+    names = list(rounds[0])
+    lines = [title, "", "| system | " + " | ".join(f"{key} r{i}" for i in range(len(rounds)))
+             + " | " + " | ".join(f"vs {base} r{i}" for i in range(len(rounds))) + " |",
+             "|---" * (1 + 2 * len(rounds)) + "|"]
+    for name in names:
+        vals = [r[name][key] for r in rounds]
+        ratios = [r[name][key] / r[base][key] for r in rounds]
+        lines.append(f"| {name} | " + " | ".join(f"{v:.1f}" for v in vals) + " | "
+                     + " | ".join(f"{x:.2f}" for x in ratios) + " |")
+    return [*lines, ""]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--skew-rate", type=float, default=4.0)
+    parser.add_argument("--scale", type=float, default=0.5)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--skew-rate", type=float, default=0.8,
+                        help="requests/s of the skewed load (~80%% of DP=2's capacity here)")
     args = parser.parse_args()
     raw = os.path.join(args.out, "dp_raw")
     os.makedirs(raw, exist_ok=True)
     n = max(8, int(48 * args.scale))
     skewed = [a.format(rate=args.skew_rate) for a in SKEWED]
-    res = {name: _system(args.model, raw, name, UNIFORM, n) for name in ("single", "dp2", "two")}
-    skew = {name: _system(args.model, raw, name, skewed, n) for name in ("dp2-score", "dp2-rr")}
+    uniform = _rounds(args.model, raw, ("single", "single1", "dp2", "two"), UNIFORM, n,
+                      args.rounds)
+    skew = _rounds(args.model, raw, ("dp2-score", "dp2-rr"), skewed, n, args.rounds + 1)
     lines = [f"# Data parallel on one host ({_cpu()})", "",
-             f"Uniform: {n} requests, 256 in / 64 out, max concurrency 8.", "",
-             "| system | " + " | ".join(KEYS) + " | throughput vs single |",
-             "|---" * (len(KEYS) + 2) + "|"]
-    base = res["single"]["output_throughput"]
-    for name, r in res.items():
-        lines.append(f"| {name} | " + " | ".join(f"{r[k]:.2f}" for k in KEYS)
-                     + f" | {r['output_throughput'] / base:.2f} |")
-    lines += ["", f"Skewed: {n} requests, half 768 in / 96 out, half 32 in / 8 out, Poisson "
-              f"{args.skew_rate}/s, DP=2.", "",
-              "| policy | " + " | ".join(KEYS) + " |", "|---" * (len(KEYS) + 1) + "|"]
-    for name, r in skew.items():
-        lines.append(f"| {name} | " + " | ".join(f"{r[k]:.2f}" for k in KEYS) + " |")
-    ratio = skew["dp2-rr"]["p99_ttft_ms"] / skew["dp2-score"]["p99_ttft_ms"]
-    lines += ["", f"p99 TTFT round-robin / score: **{ratio:.2f}**", ""]
+             f"Machine load average at the end: {os.getloadavg()[0]:.1f} (shared).", ""]
+    lines += _table(uniform, "single", "output_throughput",
+                    f"Uniform: {n} requests, 256 in / 64 out, max concurrency 8; output "
+                    "tokens/s, and the ratio to `single` in the same round.")
+    lines += _table(uniform, "single", "median_ttft_ms", "Median TTFT (ms), same runs.")
+    lines += _table(skew, "dp2-score", "p99_ttft_ms",
+                    f"Skewed: {n} requests, half 768 in / 96 out, half 32 in / 8 out, Poisson "
+                    f"{args.skew_rate}/s, DP=2; p99 TTFT (ms) and round-robin / score.")
+    lines += _table(skew, "dp2-score", "median_ttft_ms", "Median TTFT (ms), same runs.")
     with open(os.path.join(args.out, "dp_bench.md"), "w") as f:
         f.write("\n".join(lines))
+    with open(os.path.join(raw, "summary.json"), "w") as f:
+        json.dump({"uniform": uniform, "skewed": skew}, f, indent=1)
     print("\n".join(lines))
     return 0
 
