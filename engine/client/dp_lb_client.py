@@ -134,7 +134,8 @@ class DPLBAsyncClient(AsyncEngineCoreClient):
 
     def _on_stats(self, data: bytes) -> None:
         try:
-            self.balancer.publish(front_decoder.decode(data).counts)
+            msg = front_decoder.decode(data)
+            self.balancer.publish(msg.counts, msg.stamps)
         except (*DECODE_ERRORS, ValueError) as e:
             self.num_malformed_stats += 1
             logger.warning("dropped a malformed coordinator message: %s", e)

@@ -69,7 +69,8 @@ class EngineCoreLoop:
         self.num_malformed_inputs = 0  # bumped by the input thread (single writer)
         self._stopping = False
         self._drain_deadline: float | None = None
-        # Called with each step's SchedulerStats (data parallel: stats to the coordinator).
+        # Called with the scheduler's stats before each step (the requests just admitted)
+        # and after it (data parallel: the engine's counts to the coordinator).
         self.on_step: Callable[[Any], None] | None = None
 
     # -- called from other threads / signal handlers ------------------------------------
@@ -107,6 +108,8 @@ class EngineCoreLoop:
 
     def _step(self) -> None:
         self._apply_aborts_queue()
+        if self.on_step is not None:
+            self.on_step(self.core.scheduler.make_stats())
         started = time.perf_counter()
         outputs = self.core.step()
         self.num_steps += 1

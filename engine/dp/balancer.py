@@ -1,8 +1,9 @@
 """Which engine gets the next request (seed 000's DP load-balancing client).
 
 score = waiting * 4 + running, from the counts the coordinator published last, where
-`waiting` also counts the requests this client sent since that publication (so a burst
-between two publications does not all land on the engine that looked idle). Ties rotate
+`waiting` also counts the requests this client sent to that engine since the engine last
+reported (so a burst between two reports does not all land on the engine that looked idle;
+an engine inside a long step reports nothing, and its count keeps growing meanwhile). Ties rotate
 the scan start. Without a coordinator (it died) the client's own outstanding requests per
 engine are the counts. `round_robin` (PDSERVE_DP_LB=round_robin) is the bench baseline.
 """
@@ -21,19 +22,25 @@ class Balancer:
             raise ValueError(f"PDSERVE_DP_LB must be one of {POLICIES}, got {policy!r}")
         self.policy = policy
         self.counts = [[0, 0] for _ in range(num_engines)]  # published [waiting, running]
-        self.sent_since = [0] * num_engines  # our sends since that publication
+        self.sent_since = [0] * num_engines  # our sends since the engine's last report
+        self.stamps: list[int] | None = None  # per rank: reports the coordinator had
         self.outstanding = [0] * num_engines  # our requests not finished yet
         self.alive = [True] * num_engines
         self.have_coordinator = True
         self.num_publications = 0
         self._next = 0
 
-    def publish(self, counts: list[list[int]]) -> None:
-        if len(counts) != len(self.counts):
-            raise ValueError(f"published counts for {len(counts)} engines, "
-                             f"expected {len(self.counts)}")
+    def publish(self, counts: list[list[int]], stamps: list[int] | None = None) -> None:
+        """A coordinator publication. Our sends to a rank are forgotten once that rank
+        reported again (its stamp moved); without stamps, at every publication."""
+        n = len(self.counts)
+        if len(counts) != n or (stamps and len(stamps) != n):
+            raise ValueError(f"published counts for {len(counts)} engines, expected {n}")
         self.counts = [[int(w), int(r)] for w, r in counts]
-        self.sent_since = [0] * len(self.counts)
+        for rank in range(n):
+            if not stamps or self.stamps is None or stamps[rank] != self.stamps[rank]:
+                self.sent_since[rank] = 0
+        self.stamps = list(stamps) if stamps else None
         self.num_publications += 1
 
     def score(self, rank: int) -> int:

@@ -56,6 +56,7 @@ class Coordinator:
 
     def __init__(self, num_engines: int, lockstep: bool, interval_s: float) -> None:
         self.counts = [[0, 0] for _ in range(num_engines)]
+        self.stamps = [0] * num_engines
         self.busy = [False] * num_engines
         self.lockstep = lockstep
         self.interval_s = interval_s
@@ -76,6 +77,7 @@ class Coordinator:
             return []
         if isinstance(msg, EngineStats):
             self.counts[msg.rank] = [msg.waiting, msg.running]
+            self.stamps[msg.rank] += 1
             self.busy[msg.rank] = msg.waiting + msg.running > 0
             return self._maybe_complete()
         if not self.lockstep:
@@ -96,7 +98,7 @@ class Coordinator:
     def front_stats(self) -> bytes:
         self.seq += 1
         return ENCODER.encode(FrontStats(self.seq, [list(c) for c in self.counts], self.wave,
-                                         self.running))
+                                         self.running, list(self.stamps)))
 
     def serve(self, engine_in: zmq.Socket, wave_pub: zmq.Socket, front_pub: zmq.Socket) -> None:
         parent = os.getppid()

@@ -41,6 +41,7 @@ class FrontStats(msgspec.Struct, tag="FRONT_STATS", array_like=True):
     counts: list[list[int]]  # per rank: [waiting, running]
     wave: int
     running: bool
+    stamps: list[int] = []  # per rank: stats messages received so far (fresh = changed)
 
 
 EngineToCoordinator = EngineStats | StartWave

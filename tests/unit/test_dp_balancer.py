@@ -32,6 +32,18 @@ def test_score_prefers_short_queues_and_counts_own_sends():
     assert b.sent_since == [0, 0] and b.outstanding == [1, 4]
 
 
+def test_sends_count_until_the_engine_reports_again():
+    b = Balancer(2, "score")
+    b.publish([[0, 0], [0, 0]], [1, 1])
+    b.sent(0)
+    b.sent(0)
+    b.publish([[0, 1], [0, 0]], [1, 2])  # rank 0 (inside a long step) did not report
+    assert b.sent_since == [2, 0]
+    assert b.score(0) == 2 * 4 + 1
+    b.publish([[2, 1], [0, 0]], [2, 2])
+    assert b.sent_since == [0, 0]
+
+
 def test_ties_rotate_and_dead_engines_are_skipped():
     b = Balancer(3, "score")
     assert [b.pick() for _ in range(3)] == [0, 1, 2]
@@ -68,7 +80,8 @@ def test_coordinator_counts_and_malformed():
     assert c.on_engine_message(b"\x93garbage") == []
     assert c.on_engine_message(ENCODER.encode(EngineStats(7, 1, 1))) == []  # no such rank
     assert c.num_malformed == 2
-    assert front_decoder.decode(c.front_stats()).counts == [[0, 0], [3, 2]]
+    front = front_decoder.decode(c.front_stats())
+    assert front.counts == [[0, 0], [3, 2]] and front.stamps == [0, 1]
     assert c.on_engine_message(ENCODER.encode(StartWave(0, 0))) == []  # no waves: ignored
 
 
