@@ -26,10 +26,13 @@ def validate_dp(config: EngineConfig) -> None:
             raise ValueError("data_parallel_lockstep is not supported with "
                              "data_parallel_external_lb")
         return
-    if size > 1 and config.kv_transfer_config is not None:
-        raise ValueError(f"{PD_WITH_DP_ERROR} (a kv-transfer config was given with "
-                         f"data_parallel_size {size}; run one server per rank with "
-                         "--data-parallel-external-lb instead)")
+    kv = config.kv_transfer_config
+    if size > 1 and kv is not None and kv.kv_role != "kv_consumer":
+        # D ranks behind one decode server work (each its own side channel, agent and
+        # engine id); P ranks need the proxy to name the rank on both legs: not yet.
+        raise ValueError(f"{PD_WITH_DP_ERROR} for a {kv.kv_role} (prefill) server; a decode "
+                         "(kv_consumer) server may run several ranks, or run one prefill "
+                         "server per rank with --data-parallel-external-lb")
     if config.data_parallel_lockstep and size < 2:
         raise ValueError("data_parallel_lockstep needs data_parallel_size > 1")
 
@@ -48,10 +51,15 @@ def local_ranks(config: EngineConfig) -> list[int]:
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     """The config of rank `rank`'s engine: its rank set, a given KV engine id suffixed
-    `_dp<rank>` so every rank's side channel has its own identity."""
+    `_dp<rank>` and a given side-channel port moved up by the rank, so every rank's side
+    channel and NIXL agent has its own identity and address (an external-LB server runs
+    one rank: its port stays)."""
     kv = config.kv_transfer_config
-    if kv is not None and kv.engine_id and config.data_parallel_size > 1:
-        kv = dataclasses.replace(kv, engine_id=f"{kv.engine_id}_dp{rank}")
+    if kv is not None and config.data_parallel_size > 1:
+        shift = kv.kv_port and not config.data_parallel_external_lb
+        kv = dataclasses.replace(
+            kv, engine_id=f"{kv.engine_id}_dp{rank}" if kv.engine_id else "",
+            kv_port=kv.kv_port + rank if shift else kv.kv_port)
     return dataclasses.replace(config, data_parallel_rank=rank, kv_transfer_config=kv)
 
 

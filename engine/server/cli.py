@@ -154,11 +154,20 @@ def kv_transfer_info(config: EngineConfig) -> dict[str, Any] | None:
     kv = config.kv_transfer_config
     if kv is None:
         return None
-    return {
-        "engine_id": kv.engine_id, "kv_host": kv.kv_host, "kv_port": kv.kv_port,
+    ranks = [rank_config(config, r) for r in local_ranks(config)] \
+        if config.data_parallel_size > 1 and not config.data_parallel_external_lb else [config]
+    first = ranks[0].kv_transfer_config
+    info = {
+        "engine_id": first.engine_id, "kv_host": first.kv_host, "kv_port": first.kv_port,
         "tp_size": config.tensor_parallel_size, "block_size": config.block_size,
         "kv_role": kv.kv_role, "kv_connector": kv.kv_connector,
     }
+    if len(ranks) > 1:  # data parallel: every rank's own side channel (top level: rank 0)
+        info["data_parallel_ranks"] = [
+            {"rank": r.data_parallel_rank, "engine_id": r.kv_transfer_config.engine_id,
+             "kv_host": r.kv_transfer_config.kv_host, "kv_port": r.kv_transfer_config.kv_port}
+            for r in ranks]
+    return info
 
 
 def serve_main(args: argparse.Namespace, *, role_defaults: Mapping[str, Any] | None = None

@@ -102,6 +102,11 @@ def test_config_rules(tiny_model):
         EngineConfig(model=tiny_model, data_parallel_size=2,
                      kv_transfer_config={"kv_connector": "NixlPushConnector"})
     assert PD_WITH_DP_ERROR.startswith("P/D")
+    d = EngineConfig(model=tiny_model, data_parallel_size=2,
+                     kv_transfer_config={"kv_connector": "NixlPushConnector", "engine_id": "d",
+                                         "kv_role": "kv_consumer", "kv_port": 7000})
+    assert [(c.kv_transfer_config.engine_id, c.kv_transfer_config.kv_port)
+            for c in (rank_config(d, 0), rank_config(d, 1))] == [("d_dp0", 7000), ("d_dp1", 7001)]
     with pytest.raises(ValueError, match="needs data_parallel_rank"):
         EngineConfig(model=tiny_model, data_parallel_size=2, data_parallel_external_lb=True)
     with pytest.raises(ValueError, match="out of range"):
