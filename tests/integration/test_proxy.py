@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -35,6 +36,7 @@ from pd_harness import wait_until
 from proxy.app import build_app
 from proxy.backends import BackendPool
 from proxy.config import ProxyConfig
+from proxy.kv_info import KVInfoError, PrefillCoordinates
 from proxy.legs import (
     CHAT,
     decode_leg_body,
@@ -559,6 +561,18 @@ def test_data_parallel_prefill_legs_name_the_rank(cluster: Cluster, mode: str) -
     assert [leg.body["data_parallel_rank"] for leg in p.legs[4:]] == [0, 1, 0, 0]
     assert all(b.rank_outstanding.get(r, 0) == 0 for b in proxy.state.prefill.backends
                for r in (0, 1))
+
+
+@pytest.mark.parametrize("ranks, error", [
+    ("x", "data_parallel_ranks is not a list"),
+    ([{"engine_id": "e", "kv_host": "h", "kv_port": 1}], "data_parallel_ranks[0] lacks 'rank'"),
+    ([{"rank": 0, "engine_id": "", "kv_host": "h", "kv_port": 1}], "bad engine_id/kv_host"),
+    ([{"rank": -1, "engine_id": "e", "kv_host": "h", "kv_port": 1}], "bad rank=-1"),
+])
+def test_malformed_data_parallel_ranks_are_named(ranks: Any, error: str) -> None:
+    info = {**FakeBackend("p").info(), "data_parallel_ranks": ranks}
+    with pytest.raises(KVInfoError, match=re.escape(error)):
+        PrefillCoordinates.from_json(info, "http://p")
 
 
 def test_prefill_without_ranks_gets_no_rank_pinned(cluster: Cluster) -> None:
