@@ -78,11 +78,15 @@ def measure(kernel, dtype: torch.dtype) -> int:
     return best
 
 
+def _key(dtype: torch.dtype, threads: int, isa: str) -> str:
+    return f"{str(dtype).removeprefix('torch.')}:{threads}:{isa}"
+
+
 @functools.cache
 def _threshold(dtype: torch.dtype, threads: int, isa: str) -> int:
     from engine.worker.kernels import linear_kernel
 
-    key = f"{str(dtype).removeprefix('torch.')}:{threads}:{isa}"
+    key = _key(dtype, threads, isa)
     table = _load()
     if key in table:
         return int(table[key])
@@ -104,9 +108,17 @@ def skinny_rows(dtype: torch.dtype) -> int:
 
 
 def recalibrate() -> dict[str, int]:
-    """Forget every stored threshold, measure both dtypes at this process's thread count and
-    path again."""
-    _store().unlink(missing_ok=True)
+    """Measure both dtypes again at this process's thread count and path, replacing what the
+    store holds for them."""
+    from engine.worker.kernels import linear_kernel
+
+    kernel = linear_kernel()
+    if kernel is None:
+        return {}
     _threshold.cache_clear()
-    return {str(dt).removeprefix("torch."): skinny_rows(dt)
-            for dt in (torch.float32, torch.bfloat16)}
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = measure(kernel, dtype)
+        _save(_key(dtype, torch.get_num_threads(), kernel.get_isa()), rows)
+        out[str(dtype).removeprefix("torch.")] = rows
+    return out

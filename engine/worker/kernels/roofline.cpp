@@ -89,10 +89,8 @@ double fma_seconds(int64_t threads, int64_t iters) {
     Vec acc[kChains];
     for (int c = 0; c < kChains; ++c) acc[c] = vset(1.f + 1e-3f * (c + t));
     const Vec a = vset(0.999999f), b = vset(1e-7f);
-    for (int64_t i = 0; i < iters; ++i) {
+    for (int64_t i = 0; i < iters; ++i)
       for (int c = 0; c < kChains; ++c) acc[c] = vfma(acc[c], a, b);
-      __asm__ volatile("" ::: "memory");  // one FMA per chain per iteration, as written
-    }
     Vec s = acc[0];
     for (int c = 1; c < kChains; ++c) s = vadd(s, acc[c]);
     g_sink = vsum(s);
@@ -115,10 +113,8 @@ double bf16_dot_seconds(int64_t threads, int64_t iters) {
     for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_ps(1.f + 1e-3f * (c + t));
     const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80);  // bf16 1.0
     const __m512bh b = (__m512bh)_mm512_set1_epi16(0x3380);  // bf16 ~6e-8
-    for (int64_t i = 0; i < iters; ++i) {
+    for (int64_t i = 0; i < iters; ++i)
       for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], a, b);
-      __asm__ volatile("" ::: "memory");
-    }
     __m512 s = acc[0];
     for (int c = 1; c < kChains; ++c) s = _mm512_add_ps(s, acc[c]);
     g_sink = _mm512_reduce_add_ps(s);
