@@ -54,3 +54,10 @@ def machine_limits(threads: list[int], repeats: int, buffer_mib: int,
         out[t] = entry
     return {"fma_isa": k.fma_isa(), "fma_lanes": lanes, "bf16_dot": k.has_bf16_dot(),
             "buffer_mib": buffer_mib, "threads": out}
+
+
+def best_limits(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two machine_limits results merged, the higher of each number kept."""
+    merged = {t: {key: (max(v, b["threads"][t][key]) if v is not None else None)
+                  for key, v in entry.items()} for t, entry in a["threads"].items()}
+    return {**a, "threads": merged}

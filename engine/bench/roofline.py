@@ -37,7 +37,7 @@ import json
 import time
 from typing import Any
 
-from engine.bench.machine import cpu_info, machine_limits
+from engine.bench.machine import best_limits, cpu_info, machine_limits
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -89,7 +89,8 @@ def _request(rid: str, vocab: int, n: int, max_tokens: int, seed: int) -> Any:
 
 
 def _engine_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> dict[int, dict]:
-    """{threads: {"prefill_s", "decode_step_s"}} for one dtype, best of --repeats each."""
+    """{threads: {"prefill_s", "decode_step_s", "breakdown_*"}} for one dtype, best of
+    --repeats each."""
     import torch
 
     from engine.bench.step import drain
@@ -119,21 +120,45 @@ def _engine_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> di
                                                  5 + args.decode_steps, i)])[5:]
                 steps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
                 decode = min(decode, sorted(steps)[len(steps) // 2])  # a run's median step
-            out[t] = {"prefill_s": prefill, "decode_step_s": decode}
+            breakdowns = [_prefill_breakdown(client, vocab, args.prefill_tokens, f"b{t}-{i}")
+                          for i in range(max(1, args.repeats // 2))]
+            out[t] = {"prefill_s": prefill, "decode_step_s": decode,
+                      **min(breakdowns, key=lambda b: b["breakdown_prefill_s"])}
     finally:
         client.shutdown()
     return out
 
 
-def _engine_table(args: argparse.Namespace, dtype: str, threads: list[int],
+def _prefill_breakdown(client: Any, vocab: int, tokens: int, rid: str) -> dict[str, float]:
+    """A prefill with the model's matmuls and attention calls timed (apart from the best-of
+    runs: the timing wrappers cost a little)."""
+    from engine.bench.offline import _timed
+    from engine.bench.step import drain
+    from engine.models import causal_lm, layers
+    from engine.worker.attention import PagedAttention
+
+    matmul, attention = [0.0], [0.0]
+    with _timed([layers, causal_lm], "linear", matmul), \
+            _timed([PagedAttention], "__call__", attention):
+        start = time.perf_counter()
+        drain(client, [_request(rid, vocab, tokens, 1, 99)])
+        total = time.perf_counter() - start
+    return {"breakdown_prefill_s": total, "breakdown_matmul_s": matmul[0],
+            "breakdown_attention_s": attention[0]}
+
+
+def _engine_table(args: argparse.Namespace, dtype: str, runs: dict[int, dict],
                   limits: dict[str, Any]) -> dict[int, dict]:
     costs = model_costs(args.model)
     itemsize = 4 if dtype == "float32" else 2
     context = args.decode_context + 4 + args.decode_steps / 2  # mean over the measured steps
     flop = prefill_flop(costs, args.prefill_tokens)
     nbytes = decode_bytes(costs, context, itemsize)
+    t_ = args.prefill_tokens
+    matmul_flop = 2.0 * t_ * costs["linear_params"] + 2.0 * costs["head_params"]
+    attn_flop = flop - matmul_flop
     table = {}
-    for t, r in _engine_runs(args, dtype, threads).items():
+    for t, r in runs.items():
         lim = limits["threads"][t]
         gflops, gbps = flop / r["prefill_s"] / 1e9, nbytes / r["decode_step_s"] / 1e9
         table[t] = {"prefill_s": round(r["prefill_s"], 6), "prefill_gflops": round(gflops, 2),
@@ -143,6 +168,15 @@ def _engine_table(args: argparse.Namespace, dtype: str, threads: list[int],
                     "decode_bandwidth_fraction": round(gbps / lim["read_gbps"], 3)}
         if lim["bf16_dot_gflops"]:
             table[t]["prefill_bf16_dot_fraction"] = round(gflops / lim["bf16_dot_gflops"], 3)
+        # Where one (separately timed) prefill spent its time.
+        b = r["breakdown_prefill_s"]
+        table[t]["breakdown"] = {
+            "prefill_s": round(b, 6),
+            "matmul_share": round(r["breakdown_matmul_s"] / b, 3),
+            "matmul_gflops": round(matmul_flop / r["breakdown_matmul_s"] / 1e9, 2),
+            "attention_share": round(r["breakdown_attention_s"] / b, 3),
+            "attention_gflops": round(attn_flop / r["breakdown_attention_s"] / 1e9, 2),
+        }
     return table
 
 
@@ -170,12 +204,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.recalibrate:
         _recalibrate(threads)
     limits = machine_limits(threads, args.repeats, args.buffer_mib, args.fma_iters)
+    dtypes = ["float32"] + (["bfloat16"] if limits["bf16_dot"] and not args.skip_bf16 else [])
+    runs = {dt: _engine_runs(args, dt, threads) for dt in dtypes}
+    # Measured again after the engine runs, the best of both kept: the clock boosts with the
+    # load on the other cores, and a limit must not be taken at a moment slower than the runs.
+    limits = best_limits(limits, machine_limits(threads, args.repeats, args.buffer_mib,
+                                                args.fma_iters))
     for t, lim in limits["threads"].items():
         print(f"limits   {t} thr  fp32 FMA {lim['fma_gflops']:.1f} GFLOP/s  bf16 dot "
               f"{lim['bf16_dot_gflops'] or 'n/a'}  stream read {lim['read_gbps']:.2f} GB/s",
               flush=True)
-    fp32 = _engine_table(args, "float32", threads, limits)
-    _print("float32", fp32, limits)
+    tables = {dt: _engine_table(args, dt, runs[dt], limits) for dt in dtypes}
+    for dt, table in tables.items():
+        _print(dt, table, limits)
+    fp32 = tables["float32"]
     best_p = max(fp32, key=lambda t: fp32[t]["prefill_fma_fraction"])
     best_d = max(fp32, key=lambda t: fp32[t]["decode_bandwidth_fraction"])
     fastest = min(fp32, key=lambda t: fp32[t]["prefill_s"])
@@ -189,10 +231,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode_bandwidth_fraction_threads": best_d,
         "bf16_prefill_speedup": None, "bfloat16": None,
     }
-    if limits["bf16_dot"] and not args.skip_bf16:
-        bf16 = _engine_table(args, "bfloat16", threads, limits)
-        _print("bfloat16", bf16, limits)
-        result["bfloat16"] = bf16
+    if "bfloat16" in tables:
+        bf16 = result["bfloat16"] = tables["bfloat16"]
         result["bf16_prefill_speedup"] = round(
             fp32[fastest]["prefill_s"] / bf16[fastest]["prefill_s"], 3)
         result["bf16_prefill_speedup_threads"] = fastest
