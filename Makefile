@@ -46,7 +46,7 @@ bench-offline: $(STAMP)
 bench-roofline: $(STAMP)
 	test -f .models/bench-llama/config.json || \
 		$(BIN)/pdserve make-tiny-model .models/bench-llama --arch llama --size bench --seed 0
-	$(BIN)/pdserve bench roofline --model .models/bench-llama --repeats 7 \
+	$(BIN)/pdserve bench roofline --model .models/bench-llama --repeats 7 --recalibrate \
 		--result-json bench/results/roofline.json
 
 clean:
