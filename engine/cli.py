@@ -27,6 +27,8 @@ _BENCH = {
     "linear": ("engine.bench.linear", "add_args", "main", "decode-size matmuls: MKL vs kernel"),
     "roofline": ("engine.bench.roofline", "add_args", "main",
                  "prefill/decode against this CPU's FMA peak and memory bandwidth"),
+    "broadcast": ("engine.bench.broadcast", "add_args", "main",
+                  "TP step message to workers: shm ring vs ZeroMQ"),
 }
 
 

@@ -76,6 +76,12 @@ class EngineConfig:
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
     kv_transfer_config: KVTransferConfig | None = None
+    # Data parallel (engine/dp/config.py validates): engines per server, this server's rank
+    # behind an external balancer, and whether engines must step in lockstep (waves).
+    data_parallel_size: int = 1
+    data_parallel_rank: int | None = None
+    data_parallel_external_lb: bool = False
+    data_parallel_lockstep: bool = False
 
     def __post_init__(self) -> None:
         from engine.models.source import resolve_model
@@ -97,12 +103,19 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1, got "
+                             f"{self.tensor_parallel_size}")
         if isinstance(self.kv_transfer_config, (str, dict)):
             object.__setattr__(
                 self, "kv_transfer_config", KVTransferConfig.from_json(self.kv_transfer_config)
             )
+        if self.tensor_parallel_size > 1 and self.kv_transfer_config is not None:
+            raise ValueError("P/D with tensor_parallel_size > 1 is not supported yet "
+                             "(a KV connector needs tensor_parallel_size 1)")
+        from engine.dp.config import validate_dp
+
+        validate_dp(self)
 
     def resolved_max_model_len(self, max_position_embeddings: int) -> int:
         """The context limit: --max-model-len, capped by what the model's positions allow."""

@@ -41,7 +41,8 @@ class ConnectorRequest(Protocol):
 
     request_id: str
     prompt_token_ids: list[int]
-    kv_transfer_params: dict[str, Any] | None
+    kv_transfer_params: dict[str, Any] | None  # the wire form, as the client sent it
+    kv_params: Any  # the connector's typed form of them, set once by `on_request_added`
     status: RequestStatus  # `.finished_normally`: the prompt's KV is complete
 
     @property
@@ -64,7 +65,9 @@ class KVConnectorScheduler:
     load_failure_policy: str = "recompute"
 
     def on_request_added(self, request: ConnectorRequest) -> None:
-        """A request entered the scheduler (before any block is allocated for it)."""
+        """A request entered the scheduler (before any block is allocated for it). A
+        connector that reads kv_transfer_params decodes them here, once, into
+        `request.kv_params`, and reads only that from then on."""
         return None
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int

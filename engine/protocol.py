@@ -130,6 +130,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     eos_token_id: int | None
     arrival_time: float = 0.0
     kv_transfer_params: dict[str, Any] | None = None
+    data_parallel_rank: int | None = None  # pin to this DP engine (None: the balancer picks)
 
 
 class FinishReason(enum.IntEnum):

@@ -1,5 +1,5 @@
 """A thin wrapper over one NIXL agent: the KV-cache region, per-peer descriptor lists, WRITE/READ
-with completion notifications, standalone notifications, and test-only fault injection.
+with completion notifications, standalone notifications.
 
 Layout: the KV cache is ONE contiguous tensor ``[num_blocks, ...]``; block ``b`` is the byte range
 ``[base + b * bytes_per_block, + bytes_per_block)`` across every layer and K/V. Descriptor lists
@@ -25,25 +25,14 @@ peer call; the engine thread builds it, reads :meth:`local_metadata` and calls :
 once that thread stopped (docs/design.md §5). One lock serialises the agent calls, a guard for
 that hand-over and for tests that drive one transport from several threads.
 
-Fault injection (tests only; off unless a ``fault_injection`` dict is given). Keys:
-- ``drop_notif``: list of kinds whose outgoing notifications vanish: ``PUSH_REG``, ``PUSH_FAIL``,
-  ``PUSH_CANCEL``, ``PUSH_CANCEL_ACK``, ``HB`` (standalone) or ``COMPLETION`` (the notification
-  that rides on a WRITE/READ; the data still moves).
-- ``delay_notif``: ``{kind: seconds}`` — the notification is held back and goes out on the first
-  call to this transport (``get_new_notifs``, ``check``, ``send_notif``, ``flush``) after the
-  delay (a delayed COMPLETION goes out once its transfer is DONE and the delay has passed).
-- ``fail_write`` / ``fail_read``: true — submission raises :class:`TransferError`.
-- ``fail_handshake``: true — :meth:`add_peer` raises :class:`HandshakeError`.
-- ``delay_write_completion_s``: :meth:`check` reports "PROC" until this long after submission.
-- ``probability`` (default 1.0) and ``seed``: each listed fault fires per operation with this
-  probability from a seeded RNG (soak tests). ``max_faults``: stop injecting after this many.
-Injected faults are counted in ``fault_counts`` by name.
+Fault injection (tests only) lives apart, in `kvconnector.faults`: given a ``fault_injection``
+dict, ``NixlTransport(...)`` builds a `kvconnector.faults.FaultyTransport` instead; without
+one nothing of it is on the transfer path.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections import OrderedDict
@@ -53,15 +42,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvconnector import wire
-from kvconnector.handshake import AgentMetadata, HandshakeError
+from kvconnector.handshake import AgentMetadata
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FaultInjection", "NixlTransport", "PeerConflict", "TransferError",
-           "XferHandle", "count_runs"]
-
-_NOTIF_KINDS = (*wire.TAGS, wire.COMPLETION)
+__all__ = ["NixlTransport", "PeerConflict", "TransferError", "XferHandle", "count_runs"]
 
 
 class TransferError(RuntimeError):
@@ -84,40 +69,6 @@ def count_runs(local_ids: Any, remote_ids: Any) -> int:
     return 1 + int(np.count_nonzero(breaks))
 
 
-@dataclass(frozen=True)
-class FaultInjection:
-    """Parsed ``fault_injection`` dict (see the module docstring). Unknown keys are an error."""
-
-    drop_notif: frozenset[str] = frozenset()
-    delay_notif: dict[str, float] = field(default_factory=dict)
-    fail_write: bool = False
-    fail_read: bool = False
-    fail_handshake: bool = False
-    delay_write_completion_s: float = 0.0
-    probability: float = 1.0
-    seed: int | None = None
-    max_faults: int | None = None
-
-    def __post_init__(self) -> None:
-        for kind in (*self.drop_notif, *self.delay_notif):
-            if kind not in _NOTIF_KINDS:
-                raise ValueError(f"fault_injection: unknown notification kind {kind!r}; "
-                                 f"known: {', '.join(_NOTIF_KINDS)}")
-        if not 0.0 <= self.probability <= 1.0:
-            raise ValueError(f"fault_injection: probability must be in [0, 1]: {self.probability}")
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> FaultInjection:
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"fault_injection: unknown key(s) {', '.join(unknown)}")
-        data = dict(data)
-        data["drop_notif"] = frozenset(data.get("drop_notif", ()))
-        data["delay_notif"] = {k: float(v) for k, v in dict(data.get("delay_notif", {})).items()}
-        return cls(**data)
-
-
 @dataclass(eq=False)
 class XferHandle:
     """One submitted WRITE or READ. Owned by the transport; pass it back to check/release."""
@@ -128,9 +79,6 @@ class XferHandle:
     descriptors: int
     submitted_at: float
     _nixl: Any = field(repr=False)
-    _ready_at: float = 0.0  # injected completion delay
-    _deferred_notif: bytes = b""  # a delayed completion notification
-    _notif_due: float = 0.0
     _released: bool = False
     state: str = "PROC"  # last state NIXL reported
 
@@ -145,9 +93,18 @@ class _Peer:
 class NixlTransport:
     """One NIXL agent over one engine's KV cache. See the module docstring for the invariants."""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> NixlTransport:
+        if cls is NixlTransport and (kwargs.get("fault_injection")
+                                     or (len(args) > 4 and args[4])):
+            from kvconnector.faults import FaultyTransport  # tests only
+
+            cls = FaultyTransport
+        return super().__new__(cls)
+
     def __init__(self, name: str, kv_cache: torch.Tensor, bytes_per_block: int,
                  backends: tuple[str, ...] | list[str] = ("UCX",),
-                 fault_injection: dict[str, Any] | None = None, *, engine_id: str = "",
+                 fault_injection: dict[str, Any] | None = None,  # tests: see __new__
+                 *, engine_id: str = "",
                  block_size: int = 0, tp_rank: int = 0, tp_size: int = 1,
                  compat_hash: str = "", telemetry: bool = False) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
@@ -164,9 +121,6 @@ class NixlTransport:
         self.bytes_per_block = bytes_per_block
         self.mem_type = "DRAM" if kv_cache.device.type == "cpu" else "VRAM"
         self.device_id = kv_cache.device.index or 0
-        self.faults = FaultInjection.from_dict(fault_injection) if fault_injection else None
-        self.fault_counts: dict[str, int] = {}
-        self._rng = random.Random(self.faults.seed if self.faults else None)
         self._lock = threading.RLock()
         self._peers: dict[str, _Peer] = {}
         self.refused_peers = 0  # blobs refused by add_peer (PeerConflict)
@@ -174,7 +128,6 @@ class NixlTransport:
         # peer dropped must not free its name for an impostor), bounded LRU
         self._bindings: OrderedDict[str, str | None] = OrderedDict()
         self._live: set[XferHandle] = set()
-        self._delayed: list[tuple[float, str, bytes]] = []
         self._closed = False
 
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
@@ -209,8 +162,6 @@ class NixlTransport:
         ``refused_peers``) and the loaded peer stays — otherwise anyone serving a blob under
         a real engine's agent name (named in a PUSH_REG) would have our next WRITE for that
         engine land in its memory. The same address may replace the blob (a restart)."""
-        if self._inject("fail_handshake", self.faults and self.faults.fail_handshake):
-            raise HandshakeError(meta.agent_name, "injected fault", "fail_handshake")
         if meta.bytes_per_block != self.bytes_per_block or meta.physical_blocks_per_logical != 1:
             raise TransferError(
                 f"peer {meta.agent_name} (engine {meta.engine_id!r}) has {meta.bytes_per_block} "
@@ -287,14 +238,8 @@ class NixlTransport:
             if local.size != remote.size or local.size == 0:
                 raise ValueError(f"{op} to {peer_name}: {local.size} local vs {remote.size} "
                                  f"remote block ids (need equal, non-zero)")
-            faults = self.faults
-            flag = faults is not None and (faults.fail_write if op == "WRITE" else faults.fail_read)
-            if self._inject(f"fail_{op.lower()}", flag):
-                raise TransferError(f"{op} to {peer_name}: injected submission failure")
-            now = time.monotonic()
             handle = XferHandle(peer_name, op, int(local.size) * self.bytes_per_block,
-                                count_runs(local, remote), now, None)
-            notif = self._completion_notif(notif, handle, now)
+                                count_runs(local, remote), time.monotonic(), None)
             try:
                 xfer = self._agent.make_prepped_xfer(op, self._local_dlist, local.astype(np.int32),
                                                      peer.dlist, remote.astype(np.int32), notif)
@@ -310,44 +255,20 @@ class NixlTransport:
             if state == "ERR":
                 _quiet(xfer.release, f"release failed {op} to {peer_name}")
                 raise TransferError(f"{op} to {peer_name}: submission failed: {detail}")
-            if self.faults and self._inject("delay_write_completion",
-                                            self.faults.delay_write_completion_s > 0):
-                handle._ready_at = now + self.faults.delay_write_completion_s
             handle.state = state
             self._live.add(handle)
             return handle
 
-    def _completion_notif(self, notif: bytes, handle: XferHandle, now: float) -> bytes:
-        if not notif or self.faults is None:
-            return notif
-        if self._inject("drop_notif:COMPLETION", wire.COMPLETION in self.faults.drop_notif):
-            return b""
-        delay = self.faults.delay_notif.get(wire.COMPLETION, 0.0)
-        if self._inject("delay_notif:COMPLETION", delay > 0):
-            handle._deferred_notif, handle._notif_due = notif, now + delay
-            return b""
-        return notif
-
     def check(self, handle: XferHandle) -> str:
         """"DONE", "PROC" or "ERR". Drives progress on this side; call until not "PROC"."""
         with self._lock:
-            self._flush_locked()
-            if handle._released:
-                return handle.state
-            if handle.state == "PROC" or (handle.state == "DONE" and handle._deferred_notif):
-                if handle.state == "PROC":
-                    try:
-                        handle.state = self._agent.check_xfer_state(handle._nixl)
-                    except Exception as e:
-                        logger.warning("NIXL %s: %s to %s failed: %s", self.name, handle.op,
-                                       handle.peer, e)
-                        handle.state = "ERR"
-                if handle.state == "DONE" and handle._deferred_notif:
-                    self._delayed.append((handle._notif_due, handle.peer, handle._deferred_notif))
-                    handle._deferred_notif = b""
-                    self._flush_locked()
-            if handle.state == "DONE" and time.monotonic() < handle._ready_at:
-                return "PROC"
+            if handle.state == "PROC" and not handle._released:
+                try:
+                    handle.state = self._agent.check_xfer_state(handle._nixl)
+                except Exception as e:
+                    logger.warning("NIXL %s: %s to %s failed: %s", self.name, handle.op,
+                                   handle.peer, e)
+                    handle.state = "ERR"
             return handle.state
 
     def release(self, handle: XferHandle) -> bool:
@@ -376,65 +297,21 @@ class NixlTransport:
     def send_notif(self, peer_name: str, msg: bytes) -> None:
         """Send a standalone notification. Raises TransferError naming the peer on failure."""
         with self._lock:
-            self._flush_locked()
-            if self.faults is not None:
-                kind = wire.notif_kind(msg)
-                if self._inject(f"drop_notif:{kind}", kind in self.faults.drop_notif):
-                    return
-                delay = self.faults.delay_notif.get(kind, 0.0)
-                if self._inject(f"delay_notif:{kind}", delay > 0):
-                    self._delayed.append((time.monotonic() + delay, peer_name, bytes(msg)))
-                    return
-            self._send_locked(peer_name, msg)
-
-    def _send_locked(self, peer_name: str, msg: bytes) -> None:
-        if peer_name not in self._peers:
-            raise TransferError(f"notification to unknown peer {peer_name!r} (no handshake yet)")
-        try:
-            self._agent.send_notif(peer_name, bytes(msg))
-        except Exception as e:
-            raise TransferError(f"notification to {peer_name} failed: {e}") from e
+            if peer_name not in self._peers:
+                raise TransferError(f"notification to unknown peer {peer_name!r} "
+                                    "(no handshake yet)")
+            try:
+                self._agent.send_notif(peer_name, bytes(msg))
+            except Exception as e:
+                raise TransferError(f"notification to {peer_name} failed: {e}") from e
 
     def get_new_notifs(self) -> list[tuple[str, bytes]]:
         """Drain received notifications as (sender agent name, message), oldest first per peer.
 
         Also drives this agent's progress (the target side of a transfer must call it)."""
         with self._lock:
-            self._flush_locked()
             got = self._agent.get_new_notifs()
         return [(str(name), bytes(m)) for name, msgs in got.items() for m in msgs]
-
-    def flush(self) -> None:
-        """Send delayed notifications that are due."""
-        with self._lock:
-            self._flush_locked()
-
-    def has_delayed(self) -> bool:
-        return bool(self._delayed)
-
-    def _flush_locked(self) -> None:
-        if not self._delayed:
-            return
-        now = time.monotonic()
-        due = [d for d in self._delayed if d[0] <= now]
-        self._delayed = [d for d in self._delayed if d[0] > now]
-        for _, peer_name, msg in due:
-            try:
-                self._send_locked(peer_name, msg)
-            except TransferError as e:
-                logger.warning("NIXL %s: delayed notification lost: %s", self.name, e)
-
-    def _inject(self, fault: str, armed: Any) -> bool:
-        if not armed or self.faults is None:
-            return False
-        total = sum(self.fault_counts.values())
-        if self.faults.max_faults is not None and total >= self.faults.max_faults:
-            return False
-        if self.faults.probability < 1.0 and self._rng.random() >= self.faults.probability:
-            return False
-        self.fault_counts[fault] = self.fault_counts.get(fault, 0) + 1
-        logger.warning("NIXL %s: injecting fault %s", self.name, fault)
-        return True
 
     # ------------------------------------------------------------ teardown
 

@@ -3,18 +3,37 @@
 A scheduler half stages work for its worker in a per-step metadata object (`meta_type`,
 handed over by `build_connector_meta`) and holds back the blocks of every request whose
 blocks a transfer may still touch (`_held`) until the worker reports the id in
-`finished_sending`. D's receipts and failures arrive in `update_connector_output`: a failure
-wins over a receipt of the same id, and under `kv_load_failure_policy` "recompute" each
-counts one `kv_recompute_fallback_total` (the engine's scheduler does the recompute).
+`finished_sending`. A request's kv_transfer_params are decoded once, on arrival, into the
+typed `request.kv_params` (`kvconnector.params`; params that do not decode mean no transfer:
+the request is computed locally); the halves read only that afterwards. D's receipts and
+failures arrive in `update_connector_output`: a failure wins over a receipt of the same id,
+and under `kv_load_failure_policy` "recompute" each counts one `kv_recompute_fallback_total`
+(the engine's scheduler does the recompute).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from engine.config import EngineConfig
-from engine.kv_connector import KVCacheSpec, KVConnectorOutput, KVConnectorScheduler
+from engine.kv_connector import (
+    ConnectorRequest,
+    KVCacheSpec,
+    KVConnectorOutput,
+    KVConnectorScheduler,
+)
+from kvconnector.params import KVParams
+
+logger = logging.getLogger(__name__)
+
+
+class TransferRequest(ConnectorRequest, Protocol):
+    """What a transfer scheduler half reads of a request: the engine's view, with the
+    params typed (`on_request_added` sets them once)."""
+
+    kv_params: KVParams | None
 
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
@@ -45,6 +64,18 @@ class TransferScheduler(KVConnectorScheduler):
         return cdiv(num_tokens, self.block_size)
 
     # --- the mode's policy --------------------------------------------------------
+    def _decode(self, params: Any) -> KVParams | None:
+        """The mode's typed params (`kvconnector.params.decode`); ValueError naming a field."""
+        raise NotImplementedError
+
+    def _refused(self, request: TransferRequest, reason: str) -> None:
+        """The request's params did not decode: it runs without a transfer."""
+        logger.warning("request %s: %s; no KV transfer, computing locally",
+                       request.request_id, reason)
+
+    def _arrived(self, request: TransferRequest, params: KVParams | None) -> None:
+        """A request whose params decoded (`request.kv_params`, None: no transfer) arrived."""
+
     def _before_meta(self) -> None:
         """Expire whatever is due before this step's metadata leaves."""
 
@@ -57,6 +88,15 @@ class TransferScheduler(KVConnectorScheduler):
         raise NotImplementedError
 
     # --- the engine's calls -------------------------------------------------------
+    def on_request_added(self, request: TransferRequest) -> None:
+        try:
+            request.kv_params = self._decode(request.kv_transfer_params)
+        except ValueError as e:
+            request.kv_params = None
+            self._refused(request, str(e))
+            return
+        self._arrived(request, request.kv_params)
+
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         self._before_meta()
         meta, self._meta = self._meta, self.meta_type()

@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 
+from kvconnector.params import DECODE_FLAG, PREFILL_FLAG, PrefillLeg, PushDecodeLeg
 from proxy.backends import BackendPool, Lease
 from proxy.errors import ProxyError, backend_error_body
 from proxy.kv_info import PrefillCoordinates
@@ -34,22 +35,17 @@ def new_id() -> str:
 
 
 def push_prefill_params(transfer_id: str) -> dict[str, Any]:
-    return {"do_remote_decode": True, "transfer_id": transfer_id}
+    return PrefillLeg(transfer_id=transfer_id).to_wire()
 
 
 def push_decode_params(p: PrefillCoordinates, transfer_id: str) -> dict[str, Any]:
-    return {
-        "do_remote_prefill": True,
-        "remote_engine_id": p.engine_id,
-        "remote_host": p.kv_host,
-        "remote_port": p.kv_port,
-        "tp_size": p.tp_size,
-        "transfer_id": transfer_id,
-    }
+    return PushDecodeLeg(remote_engine_id=p.engine_id, remote_host=p.kv_host,
+                         remote_port=p.kv_port, tp_size=p.tp_size,
+                         transfer_id=transfer_id).to_wire()
 
 
 def pull_prefill_params() -> dict[str, Any]:
-    return {"do_remote_decode": True}
+    return PrefillLeg().to_wire()
 
 
 def pull_decode_params(p_response: Any) -> dict[str, Any] | None:
@@ -62,8 +58,8 @@ def pull_decode_params(p_response: Any) -> dict[str, Any] | None:
     params = p_response.get("kv_transfer_params")
     if not isinstance(params, dict) or not params:
         return None
-    params = {k: v for k, v in params.items() if k != "do_remote_decode"}
-    return {**params, "do_remote_prefill": True}
+    params = {k: v for k, v in params.items() if k != PREFILL_FLAG}
+    return {**params, DECODE_FLAG: True}
 
 
 def prefill_leg_body(body: dict[str, Any], route: str, kv_params: dict[str, Any]) -> dict[str, Any]:

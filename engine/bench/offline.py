@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
+import os
 import random
 import time
 from collections.abc import Iterator
 from typing import Any
+
+from engine.bench.output import emit
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +40,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-hf", action="store_true", help="measure only pdserve")
     parser.add_argument("--matmul-time", action="store_true",
                         help="also time the matmuls of both (ours runs in-process then)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="run ours with this many TP worker processes")
+    parser.add_argument("--compare-tp", type=int, default=0, metavar="N",
+                        help="also run ours at TP=1 and TP=N (alternating, twice each) and "
+                             "report their throughput ratio; torch threads are split over "
+                             "the ranks (TP=1 uses them all)")
     parser.add_argument("--result-json", default=None)
 
 
@@ -74,13 +82,15 @@ def _timed(owners: list[Any], name: str, total: list[float]) -> Iterator[None]:
             setattr(owner, name, real)
 
 
-def _run_ours(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, float]:
+def _run_ours(args: argparse.Namespace, prompts: list[list[int]],
+              tp: int | None = None) -> tuple[float, float]:
     """(output tokens/s, seconds in matmuls or 0)."""
     from engine import LLM, SamplingParams
     from engine.models import causal_lm, layers
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
+              tensor_parallel_size=tp or args.tensor_parallel_size,
               multiprocess=not args.matmul_time)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
@@ -135,13 +145,38 @@ def _run_hf(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, 
     return produced / elapsed, matmul[0]
 
 
+def _compare_tp(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    """TP=1 and TP=N alternating (1, N, 1, N); the best run of each (the machine is noisy)."""
+    import torch
+
+    n = args.compare_tp
+    load = os.getloadavg()[0]
+    runs: dict[int, list[float]] = {1: [], n: []}
+    for tp in (1, n, 1, n):
+        runs[tp].append(_run_ours(args, prompts, tp)[0])
+    one, many = max(runs[1]), max(runs[n])
+    threads = torch.get_num_threads()
+    return {"tp1_tokens_per_s": round(one, 1), f"tp{n}_tokens_per_s": round(many, 1),
+            "tp_ratio": round(many / one, 3), "tp1_threads": threads,
+            "threads_per_rank": max(1, threads // n),
+            "runs_tokens_per_s": {f"tp{k}": [round(v, 1) for v in vs] for k, vs in runs.items()},
+            "load_average_before": round(load, 2)}
+
+
 def main(args: argparse.Namespace) -> int:
     prompts = _prompts(args.model, args.num_prompts, args.input_len, args.seed)
+    if args.compare_tp:
+        result = {"model": args.model, "num_prompts": args.num_prompts,
+                  "input_len": args.input_len, "output_len": args.output_len,
+                  **_compare_tp(args, prompts)}
+        emit(result, args.result_json)
+        return 0
     ours, ours_mm = _run_ours(args, prompts)
     result: dict[str, Any] = {
         "model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len, "tokens_per_s": round(ours, 1),
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
     if args.matmul_time:
         result.update(multiprocess=False, matmul_s=round(ours_mm, 3))
@@ -154,8 +189,5 @@ def main(args: argparse.Namespace) -> int:
             # The best ratio an engine could reach if it spent only transformers' matmul time.
             result.update(hf_matmul_s=round(hf_mm, 3), hf_matmul_share=round(hf_mm / hf_s, 3),
                           ratio_bound_at_hf_matmul_time=round(hf_s / hf_mm, 3))
-    print(json.dumps(result, indent=2))
-    if args.result_json:
-        with open(args.result_json, "w") as f:
-            json.dump(result, f, indent=2)
+    emit(result, args.result_json)
     return 0

@@ -121,8 +121,11 @@ class CoreProcess:
         use_tcp: bool = False,
         host: str = "127.0.0.1",
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        coordinator: Any = None,
     ) -> None:
+        """`coordinator`: the DP coordinator's addresses (engine.dp.coordinator), or None."""
         refuse_inside_spawn_import()
+        self._coordinator = coordinator
         self.engine_index = engine_index
         self.identity = engine_identity(engine_index)
         self._ipc_dir = None if use_tcp else tempfile.mkdtemp(prefix="pdserve-")
@@ -207,6 +210,9 @@ class CoreProcess:
             input_address=self.input_socket.getsockopt_string(zmq.LAST_ENDPOINT),
             output_address=self.output_socket.getsockopt_string(zmq.LAST_ENDPOINT),
         )
+        if self._coordinator is not None:
+            init.coordinator_engine_in = self._coordinator.engine_in
+            init.coordinator_wave_pub = self._coordinator.wave_pub
         while True:
             self._wait_readable(sock, deadline, "waiting for the handshake")
             frames = sock.recv_multipart()

@@ -40,6 +40,7 @@ class MPClientBase(EngineCoreClient):
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         utility_timeout_s: float = 60.0,
         shutdown_timeout_s: float = 5.0,
+        coordinator: Any = None,
     ) -> None:
         self.config = config
         self.engine_index = engine_index
@@ -49,7 +50,8 @@ class MPClientBase(EngineCoreClient):
         try:
             self.core = CoreProcess(config, self.ctx, engine_index=engine_index,
                                     use_tcp=use_tcp, host=host,
-                                    startup_timeout_s=startup_timeout_s)
+                                    startup_timeout_s=startup_timeout_s,
+                                    coordinator=coordinator)
         except BaseException:
             self.ctx.destroy(linger=0)
             raise
@@ -72,14 +74,15 @@ class MPClientBase(EngineCoreClient):
 
     @property
     def dead_error(self) -> EngineDeadError | None:
-        # The process watcher notices a silent death even before any reader has run.
+        # The process watcher notices a silent death even before any reader has run. Not
+        # stored here: the reader's _mark_dead must still run and wake the output waiters.
         if self._dead is None and self._exited.is_set():
-            self._dead = EngineDeadError(self._exit_reason())
+            return EngineDeadError(self._exit_reason())
         return self._dead
 
     def _ensure_alive(self) -> None:
-        if self.dead_error is not None:
-            raise EngineDeadError(str(self._dead))
+        if (error := self.dead_error) is not None:
+            raise EngineDeadError(str(error))
 
     def _exit_reason(self) -> str:
         return (f"engine core {self.engine_index} (pid {self.core.pid}) exited with code "

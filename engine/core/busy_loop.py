@@ -22,6 +22,7 @@ import enum
 import logging
 import queue
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -46,6 +47,8 @@ class InputKind(enum.Enum):
     ABORT = "abort"
     UTILITY = "utility"
     WAKEUP = "wakeup"  # no payload: re-check the shutdown flag
+    FATAL = "fatal"  # payload: why the engine cannot go on (a TP worker died)
+    DP_CONTROL = "dp_control"  # a coordinator message (engine.dp.lockstep handles it)
 
 
 class EngineCoreLoop:
@@ -67,6 +70,19 @@ class EngineCoreLoop:
         self.num_malformed_inputs = 0  # bumped by the input thread (single writer)
         self._stopping = False
         self._drain_deadline: float | None = None
+        # Called with the scheduler's stats before each step (the requests just admitted)
+        # and after it (data parallel: the engine's counts to the coordinator).
+        self.on_step: Callable[[Any], None] | None = None
+        executor = getattr(core, "tp_executor", None)
+        if executor is not None:
+            executor.on_failure = self.fail
+            if executor.failure is not None:
+                self.fail(executor.failure)
+
+    def fail(self, reason: str) -> None:
+        """Any thread (the TP executor's monitor): make `run()` raise now, also when idle, so
+        the owner reports the engine dead at once (a step in flight raises by itself)."""
+        self.input_queue.put_nowait((InputKind.FATAL, reason))
 
     # -- called from other threads / signal handlers ------------------------------------
     def request_shutdown(self) -> None:
@@ -103,9 +119,13 @@ class EngineCoreLoop:
 
     def _step(self) -> None:
         self._apply_aborts_queue()
+        if self.on_step is not None:
+            self.on_step(self.core.scheduler.make_stats())
         started = time.perf_counter()
         outputs = self.core.step()
         self.num_steps += 1
+        if self.on_step is not None:
+            self.on_step(outputs.scheduler_stats)
         if outputs.outputs or outputs.finished_requests:
             outputs.engine_index = self.engine_index
             self.output_queue.put_nowait(outputs)
@@ -124,6 +144,8 @@ class EngineCoreLoop:
             self.core.abort_requests(payload)
         elif kind is InputKind.UTILITY:
             self._utility(payload)
+        elif kind is InputKind.FATAL:
+            raise RuntimeError(payload)
         # WAKEUP: nothing to do; the caller re-checks the shutdown flag.
 
     def _add(self, request: EngineCoreRequest) -> None:

@@ -10,7 +10,7 @@ import base64
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.kv_connector import make_connector
@@ -24,6 +24,9 @@ from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import Scheduler
 from engine.worker.model_runner import ModelRunner
 
+if TYPE_CHECKING:
+    from engine.executor.multiproc import MultiprocExecutor
+
 logger = logging.getLogger(__name__)
 
 
@@ -31,19 +34,34 @@ class EngineCore:
     """Owns the scheduler and the model runner. `step()` is the whole pipeline."""
 
     def __init__(self, config: EngineConfig) -> None:
+        """With tensor_parallel_size > 1 the model runs in worker processes driven by a
+        MultiprocExecutor (EngineCoreLoop hooks its death callback); otherwise the runner
+        lives here, in this thread."""
         self.config = config
-        self.runner = ModelRunner(config)
-        self.num_kv_blocks = self.runner.num_kv_blocks
-        sched_conn, worker_conn = make_connector(config, self.runner.kv_cache_spec)
-        if worker_conn is not None:
-            worker_conn.register_kv_caches(self.runner.kv_cache)
-        self.runner.connector = worker_conn
+        self.tp_executor: MultiprocExecutor | None = None
+        if config.tensor_parallel_size > 1:
+            from engine.executor.multiproc import MultiprocExecutor
+
+            self.runner = None
+            self.tp_executor = MultiprocExecutor(config)
+            self.executor: Any = self.tp_executor
+            self.num_kv_blocks = min(i.num_kv_blocks for i in self.tp_executor.infos)
+            self.max_model_len = self.tp_executor.infos[0].max_model_len
+            sched_conn = worker_conn = None  # EngineConfig refuses a connector with TP > 1
+        else:
+            self.runner = self.executor = ModelRunner(config)
+            self.num_kv_blocks = self.runner.num_kv_blocks
+            self.max_model_len = self.runner.max_model_len
+            sched_conn, worker_conn = make_connector(config, self.runner.kv_cache_spec)
+            if worker_conn is not None:
+                worker_conn.register_kv_caches(self.runner.kv_cache)
+            self.runner.connector = worker_conn
         self.scheduler = Scheduler(
             block_size=config.block_size,
             num_blocks=self.num_kv_blocks,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.runner.max_model_len,
+            max_model_len=self.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
             connector=sched_conn,
         )
@@ -62,7 +80,7 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Schedule → execute → update. Returns the outputs of this step (maybe none)."""
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.time()
@@ -97,8 +115,10 @@ class EngineCore:
             "num_kv_blocks": self.num_kv_blocks,
             "num_free_blocks": self.scheduler.kv_cache_manager.num_free_blocks,
             "num_unfinished_requests": self.scheduler.get_num_unfinished_requests(),
-            "num_runner_requests": self.runner.num_requests,
+            "num_runner_requests": self.executor.num_requests,
         }
+        if self.tp_executor is not None:
+            stats["tp_worker_pids"] = list(self.tp_executor.worker_pids)
         for half in (self.scheduler.connector, self.worker_connector):
             if half is not None:
                 stats.update(half.table_sizes())
@@ -107,6 +127,8 @@ class EngineCore:
     def debug_prompt_kv(self, prompt_token_ids: list[int]) -> list[str]:
         """Raw bytes (base64) of the prefix-cached blocks holding this prompt's full blocks,
         in prompt order (stops at the first block not cached). Tests compare P's and D's."""
+        if self.runner is None:
+            raise ValueError("debug_prompt_kv reads one process's KV: tensor_parallel_size 1 only")
         probe = Request("debug-kv-probe", list(prompt_token_ids) + [0], SamplingParams(),
                         None)
         blocks, _ = self.scheduler.kv_cache_manager.get_computed_blocks(probe)
@@ -116,3 +138,5 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.worker_connector is not None:
             self.worker_connector.shutdown()
+        if self.tp_executor is not None:
+            self.tp_executor.shutdown()

@@ -32,7 +32,7 @@ from typing import Any
 import zmq
 
 from engine.config import EngineConfig
-from engine.core.busy_loop import EngineCoreLoop, InputKind
+from engine.core.busy_loop import InputKind
 from engine.core.engine_core import EngineCore
 from engine.core.messages import (
     ENGINE_CORE_DEAD,
@@ -46,6 +46,7 @@ from engine.core.messages import (
     encode_handshake,
     engine_identity,
 )
+from engine.dp.engine_link import build_loop
 from engine.protocol import EngineCoreRequest, EngineCoreRequestType
 from engine.serial import MsgpackDecoder, MsgpackEncoder
 
@@ -83,7 +84,8 @@ class EngineCoreProc:
             except Exception as e:
                 hs.send(encode_handshake(HandshakeFailed(error=f"{type(e).__name__}: {e}")))
                 raise
-            self.loop = EngineCoreLoop(core, engine_index)
+            self.loop = build_loop(core, engine_index, config, self.ctx, init,
+                                   self._threads_stop)
             self._start_io_threads(init)
             max_model_len = getattr(core, "max_model_len", None) or core.runner.max_model_len
             hs.send(encode_handshake(HandshakeReady(

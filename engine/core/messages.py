@@ -37,6 +37,10 @@ class HandshakeHello(msgspec.Struct, tag="HELLO"):
 class HandshakeInit(msgspec.Struct, tag="INIT"):
     input_address: str
     output_address: str
+    # Data parallel: where to PUSH stats to the coordinator and SUBscribe to its waves
+    # ("" = no coordinator).
+    coordinator_engine_in: str = ""
+    coordinator_wave_pub: str = ""
 
 
 class HandshakeReady(msgspec.Struct, tag="READY"):

@@ -22,10 +22,13 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
+
 from engine.client import make_client
 from engine.client.async_mp_client import cancel_task
 from engine.client.base import AsyncEngineCoreClient, EngineDeadError
 from engine.config import EngineConfig
+from engine.dp.config import check_request_rank
 from engine.frontend.input_processor import (
     InputProcessor,
     PromptType,
@@ -119,6 +122,7 @@ class AsyncLLM:
         *,
         kv_transfer_params: dict[str, Any] | None = None,
         internal_request_id: str | None = None,
+        data_parallel_rank: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request until it finishes (finished=True last).
 
@@ -126,8 +130,10 @@ class AsyncLLM:
         (a client reusing an X-Request-Id). The engine tracks each request by its internal id,
         `internal_request_id` or `make_internal_request_id(request_id)` (the caller's id plus
         8 hex characters, which KV peers strip to pair P and D); it must be unique among the
-        requests in flight. Pass it to `abort` to end exactly this request."""
+        requests in flight. Pass it to `abort` to end exactly this request.
+        `data_parallel_rank` pins the request to that DP engine (ValueError if out of range)."""
         self._raise_if_dead()
+        check_request_rank(self.config, data_parallel_rank)
         if internal_request_id is None:
             internal_request_id = self._fresh_internal_id(request_id)
         elif internal_request_id in self._requests:
@@ -135,6 +141,8 @@ class AsyncLLM:
         request, prompt_text = self.input_processor.process(
             request_id, prompt, sampling_params, kv_transfer_params=kv_transfer_params,
             internal_request_id=internal_request_id)
+        if data_parallel_rank is not None:
+            request = msgspec.structs.replace(request, data_parallel_rank=data_parallel_rank)
         key = request.request_id
         params = request.sampling_params
         collector = RequestOutputCollector(params.output_kind, request_id)
@@ -233,12 +241,14 @@ class AsyncLLM:
                 self._abort_in_core(processed.reqs_to_abort)
             last = start + _CHUNK >= len(batch)
             self._log_stats(outputs.scheduler_stats if last else None,
-                            processed.iteration_stats)
+                            processed.iteration_stats, outputs.engine_index)
 
-    def _log_stats(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+    def _log_stats(self, scheduler_stats: Any, iteration_stats: Any,
+                   engine_index: int = 0) -> None:
         for stat_logger in self.stat_loggers:
             try:
-                stat_logger(scheduler_stats=scheduler_stats, iteration_stats=iteration_stats)
+                stat_logger(scheduler_stats=scheduler_stats, iteration_stats=iteration_stats,
+                            engine_index=engine_index)
             except Exception:
                 logger.exception("stat logger %r failed", stat_logger)
 

@@ -41,9 +41,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        data_parallel_rank: int | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in prompt order. Bad input raises ValueError
-        before any request is queued, so the engine is left as it was."""
+        before any request is queued, so the engine is left as it was.
+        `data_parallel_rank` pins every prompt to that DP engine."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -65,7 +67,8 @@ class LLM:
         added: list[str] = []
         try:
             for rid, prompt, p in zip(ids, prompts, final, strict=True):
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p,
+                                        data_parallel_rank=data_parallel_rank)
                 added.append(rid)
         except Exception:
             self.engine.abort_request(added)

@@ -5,8 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import msgspec
+
 from engine.client.base import SyncEngineCoreClient
 from engine.config import EngineConfig
+from engine.dp.config import check_request_rank
 from engine.frontend.input_processor import InputProcessor
 from engine.frontend.output_processor import OutputProcessor, ParentRequest
 from engine.frontend.outputs import RequestOutput
@@ -48,12 +51,16 @@ class LLMEngine:
         return self.client.num_kv_blocks
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                    kv_transfer_params: dict[str, Any] | None = None) -> None:
+                    kv_transfer_params: dict[str, Any] | None = None,
+                    data_parallel_rank: int | None = None) -> None:
         if request_id in self._internal_ids:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        check_request_rank(self.config, data_parallel_rank)
         request, prompt_text = self.input_processor.process(
             request_id, prompt, params, kv_transfer_params=kv_transfer_params
         )
+        if data_parallel_rank is not None:
+            request = msgspec.structs.replace(request, data_parallel_rank=data_parallel_rank)
         if params.n == 1:
             children, parent = [request], None
         else:

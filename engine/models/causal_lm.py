@@ -10,49 +10,51 @@ and decode steps, concatenated.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.models.arch import ModelArch
-from engine.models.layers import AllReduceFn, AttentionFn, DecoderLayer, empty_param, rms_norm
+from engine.models.layers import AttentionFn, DecoderLayer, empty_param, rms_norm
 from engine.models.linear import linear
+from engine.models.parallel import (
+    Collectives,
+    TPLayout,
+    gather_logits,
+    vocab_parallel_embedding,
+)
 from engine.models.rope import build_cos_sin_cache
 
 
 class CausalLM(nn.Module):
     """Weights start uninitialised; `engine.models.loader.load_model` fills them from disk.
 
-    With tensor parallelism (`tp_size` > 1) the module holds rank `tp_rank`'s attention heads and
-    MLP slice; embeddings and lm_head are replicated; `all_reduce` sums row-parallel outputs.
-    `num_heads` / `num_kv_heads` are the per-rank counts the attention callback sees.
+    With tensor parallelism (`tp_size` > 1) the module holds rank `tp_rank`'s share
+    (engine.models.parallel: heads, MLP slice, vocabulary rows) and `comm` carries the
+    all-reduce / all-gather across ranks. `num_heads` / `num_kv_heads` are the per-rank counts
+    the attention callback sees.
     """
 
     def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device | str = "cpu",
                  tp_rank: int = 0, tp_size: int = 1,
-                 all_reduce: AllReduceFn | None = None) -> None:
+                 comm: Collectives | None = None) -> None:
         super().__init__()
-        if tp_size < 1 or not 0 <= tp_rank < tp_size:
-            raise ValueError(f"invalid tensor-parallel rank {tp_rank} of {tp_size}")
-        for name in ("num_heads", "num_kv_heads", "intermediate_size"):
-            if getattr(arch, name) % tp_size:
-                raise ValueError(f"{arch.architecture}: {name}={getattr(arch, name)} is not "
-                                 f"divisible by tensor_parallel_size={tp_size}")
-        if tp_size > 1 and all_reduce is None:
-            raise ValueError("tensor parallelism needs an all_reduce function")
+        self.layout = TPLayout.of(arch, tp_rank, tp_size)
+        if tp_size > 1 and comm is None:
+            raise ValueError("tensor parallelism needs collectives (all_reduce, all_gather)")
         self.arch = arch
         self.dtype = dtype
         self.tp_rank = tp_rank
         self.tp_size = tp_size
-        self.num_heads = arch.num_heads // tp_size
-        self.num_kv_heads = arch.num_kv_heads // tp_size
-        self._all_reduce = all_reduce if tp_size > 1 else None
+        self.num_heads = self.layout.num_heads
+        self.num_kv_heads = self.layout.num_kv_heads
+        self.comm = comm if tp_size > 1 else None
         kw = {"dtype": dtype, "device": device}
-        self.embed_tokens = empty_param(arch.vocab_size, arch.hidden_size, **kw)
+        rows = self.layout.vocab_rows
+        self.embed_tokens = empty_param(rows, arch.hidden_size, **kw)
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, i, dtype, device, tp_size) for i in range(arch.num_layers))
+            DecoderLayer(arch, i, dtype, device, self.layout) for i in range(arch.num_layers))
         self.norm = empty_param(arch.hidden_size, **kw)
         self.lm_head = (self.embed_tokens if arch.tie_word_embeddings
-                        else empty_param(arch.vocab_size, arch.hidden_size, **kw))
+                        else empty_param(rows, arch.hidden_size, **kw))
         self.register_buffer(
             "cos_sin_cache",
             build_cos_sin_cache(arch.rope, arch.head_dim, arch.max_position_embeddings,
@@ -73,12 +75,13 @@ class CausalLM(nn.Module):
         half = self.arch.head_dim // 2
         cos = cos_sin[:, None, :half]
         sin = cos_sin[:, None, half:]
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = vocab_parallel_embedding(input_ids, self.embed_tokens, self.layout, self.comm)
         residual = None
+        reduce = None if self.comm is None else self.comm.all_reduce
         for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, attn, self._all_reduce)
+            x, residual = layer(x, residual, cos, sin, attn, reduce)
         return rms_norm(residual + x, self.norm, self.arch.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] (rows of forward's output) -> float32 logits [N, vocab_size]."""
-        return linear(hidden, self.lm_head).float()
+        return gather_logits(linear(hidden, self.lm_head).float(), self.layout, self.comm)

@@ -96,7 +96,7 @@ def load_gguf_weights(model: CausalLM, path: str) -> None:
             weight = unpermute_qk(weight, model.arch.num_heads)
         elif name.endswith("k_proj.weight"):
             weight = unpermute_qk(weight, model.arch.num_kv_heads)
-        _copy(weight, tensor.name, slots[name], model.tp_size)
+        _copy(weight, tensor.name, slots[name])
         loaded.add(name)
         del weight
     missing = sorted(set(slots) - loaded)
@@ -105,17 +105,14 @@ def load_gguf_weights(model: CausalLM, path: str) -> None:
                          + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
 
 
-def _copy(weight: np.ndarray, name: str, slot: Slot, tp_size: int) -> None:
-    target = slot.target()
-    full = list(target.shape)
-    if slot.shard_dim is not None:
-        full[slot.shard_dim] *= tp_size
+def _copy(weight: np.ndarray, name: str, slot: Slot) -> None:
+    full = slot.full_shape()
     if list(weight.shape) != full:
         raise ValueError(f"tensor {name} has shape {list(weight.shape)}, expected {full}")
     if not weight.flags.writeable:  # a float32 tensor is a view of the read-only mapping
         weight = weight.copy()
     src = torch.from_numpy(weight)
-    if slot.shard_dim is not None and tp_size > 1:
-        src = src.narrow(slot.shard_dim, slot.shard_start, target.shape[slot.shard_dim])
-    with torch.no_grad():
-        target.copy_(src)
+    bounds = slot.shard_bounds()
+    if bounds is not None:
+        src = src.narrow(slot.shard_dim, bounds[0], bounds[1] - bounds[0])
+    slot.write(src)

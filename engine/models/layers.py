@@ -15,11 +15,11 @@ from torch import nn
 
 from engine.models.arch import ModelArch
 from engine.models.linear import linear
+from engine.models.parallel import AllReduceFn, TPLayout
 from engine.models.rope import apply_rotary
 
 # attn(layer_idx, q [T, H, D], k [T, KV, D], v [T, KV, D]) -> [T, H, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-AllReduceFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -39,16 +39,17 @@ class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP block. Weights start uninitialised; the loader fills them."""
 
     def __init__(self, arch: ModelArch, layer_idx: int, dtype: torch.dtype,
-                 device: torch.device | str, tp_size: int = 1) -> None:
+                 device: torch.device | str, layout: TPLayout | None = None) -> None:
         super().__init__()
+        layout = layout or TPLayout.of(arch, 0, 1)
         self.layer_idx = layer_idx
         self.eps = arch.rms_norm_eps
-        self.num_heads = arch.num_heads // tp_size
-        self.num_kv_heads = arch.num_kv_heads // tp_size
+        self.num_heads = layout.num_heads
+        self.num_kv_heads = layout.num_kv_heads
         self.head_dim = arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.inter_size = arch.intermediate_size // tp_size
+        self.inter_size = layout.intermediate_size
         hidden = arch.hidden_size
         kw = {"dtype": dtype, "device": device}
 

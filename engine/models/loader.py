@@ -7,7 +7,7 @@ import torch
 
 from engine.models.arch import ModelArch, load_arch
 from engine.models.causal_lm import CausalLM
-from engine.models.layers import AllReduceFn
+from engine.models.parallel import Collectives
 from engine.models.source import is_gguf, resolve_model
 from engine.models.weights import load_weights
 
@@ -30,19 +30,19 @@ def resolve_dtype(dtype: str | torch.dtype, arch: ModelArch) -> torch.dtype:
 
 def load_model(model_dir: str, dtype: str = "auto", device: str = "cpu", *,
                tp_rank: int = 0, tp_size: int = 1,
-               all_reduce: AllReduceFn | None = None) -> CausalLM:
+               comm: Collectives | None = None) -> CausalLM:
     """Build the model described by `model_dir/config.json` and load its safetensors weights,
     or build it from a `.gguf` file's metadata and dequantize its tensors into `dtype`.
 
     Raises ValueError for an unsupported architecture or dtype, or a checkpoint that does not
     match the config. The returned module is in eval mode with requires_grad off everywhere.
-    With tp_size > 1, loads only rank tp_rank's shard and uses all_reduce across ranks.
+    With tp_size > 1, loads only rank tp_rank's shard and uses `comm` across ranks.
     """
     model_dir = resolve_model(model_dir)
     arch = load_arch(model_dir)
     torch_dtype = resolve_dtype(dtype, arch)
     model = CausalLM(arch, torch_dtype, torch.device(device), tp_rank=tp_rank, tp_size=tp_size,
-                     all_reduce=all_reduce)
+                     comm=comm)
     if is_gguf(model_dir):
         from engine.models.gguf_weights import load_gguf_weights
 

@@ -59,6 +59,7 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
         self.kv_transfer_params = kv_transfer_params
+        self.kv_params: Any = None  # the connector's typed form of it (on_request_added)
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)

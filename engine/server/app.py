@@ -128,9 +128,11 @@ def build_app(
         # (a WRITE finishing, a lease expiring) are current.
         try:
             stats = await asyncio.wait_for(engine.get_stats(), timeout=2.0)
-            app.state.metrics.update_scheduler_stats(
-                {**stats, "num_free_blocks": stats["num_free_blocks"],
-                 "num_total_blocks": stats["num_kv_blocks"]})
+            per_engine = stats.get("engines") or {None: stats}  # data parallel: per rank
+            for rank, one in per_engine.items():
+                app.state.metrics.update_scheduler_stats(
+                    {**one, "num_total_blocks": one["num_kv_blocks"]},
+                    None if rank is None else int(rank))
         except Exception:  # noqa: BLE001 - a dead or slow engine still gets its last numbers
             pass
         return Response(app.state.metrics.render(),

@@ -74,7 +74,8 @@ async def create_chat_completion(
         continue_final_message=body.continue_final_message,
     )
     rid = make_request_id(request, "chatcmpl")
-    merged = merge_streams([engine_stream(ctx, prompt, params, rid, body.kv_transfer_params)])
+    merged = merge_streams([engine_stream(ctx, prompt, params, rid, body.kv_transfer_params,
+                                                body.data_parallel_rank)])
     headers = {"X-Request-Id": rid}
     if body.stream:
         gone, first = await unless_disconnected(request, primed(merged))

@@ -25,6 +25,7 @@ from typing import Any
 import uvloop
 
 from engine.config import EngineConfig
+from engine.dp.config import local_ranks, rank_config
 from engine.server.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
 from engine.server.metrics import ServerMetrics
 
@@ -35,6 +36,8 @@ _ENGINE_FLAGS = (
     "dtype", "device", "seed", "served_model_name", "block_size", "num_kv_blocks",
     "kv_cache_memory_gib", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "tensor_parallel_size", "enable_prefix_caching",
+    *("data_parallel_size", "data_parallel_rank", "data_parallel_external_lb",
+      "data_parallel_lockstep"),
 )
 
 
@@ -68,6 +71,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    add_dp_args(parser)
     parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
                         help='e.g. \'{"kv_connector": "NixlPushConnector", "kv_role": …}\'')
     parser.add_argument("--seed", type=int, default=None)
@@ -80,6 +84,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def add_dp_args(parser: argparse.ArgumentParser) -> None:
+    """Data-parallel flags (engine/dp/, docs/design.md §9)."""
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                        help="EngineCore processes behind this server (load-balanced)")
+    parser.add_argument("--data-parallel-external-lb", action="store_true", default=None,
+                        help="run only rank --data-parallel-rank's engine; balance outside")
+    parser.add_argument("--data-parallel-rank", type=int, default=None,
+                        help="this server's rank with --data-parallel-external-lb")
+    parser.add_argument("--data-parallel-lockstep", action="store_true", default=None,
+                        help="engines step together in request waves (models whose forward "
+                             "pass is collective across ranks)")
 
 
 def _kv_transfer_dict(args: argparse.Namespace,
@@ -125,7 +142,10 @@ def config_from_args(args: argparse.Namespace,
     kv = _kv_transfer_dict(args, role_defaults)
     if kv is not None:
         kwargs["kv_transfer_config"] = kv
-    return EngineConfig.from_kwargs(args.model, **kwargs)
+    config = EngineConfig.from_kwargs(args.model, **kwargs)
+    if config.data_parallel_external_lb:  # this server is one rank: its KV engine id says so
+        config = rank_config(config, int(config.data_parallel_rank or 0))
+    return config
 
 
 def kv_transfer_info(config: EngineConfig) -> dict[str, Any] | None:
@@ -134,11 +154,20 @@ def kv_transfer_info(config: EngineConfig) -> dict[str, Any] | None:
     kv = config.kv_transfer_config
     if kv is None:
         return None
-    return {
-        "engine_id": kv.engine_id, "kv_host": kv.kv_host, "kv_port": kv.kv_port,
+    ranks = [rank_config(config, r) for r in local_ranks(config)] \
+        if config.data_parallel_size > 1 and not config.data_parallel_external_lb else [config]
+    first = ranks[0].kv_transfer_config
+    info = {
+        "engine_id": first.engine_id, "kv_host": first.kv_host, "kv_port": first.kv_port,
         "tp_size": config.tensor_parallel_size, "block_size": config.block_size,
         "kv_role": kv.kv_role, "kv_connector": kv.kv_connector,
     }
+    if len(ranks) > 1:  # data parallel: every rank's own side channel (top level: rank 0)
+        info["data_parallel_ranks"] = [
+            {"rank": r.data_parallel_rank, "engine_id": r.kv_transfer_config.engine_id,
+             "kv_host": r.kv_transfer_config.kv_host, "kv_port": r.kv_transfer_config.kv_port}
+            for r in ranks]
+    return info
 
 
 def serve_main(args: argparse.Namespace, *, role_defaults: Mapping[str, Any] | None = None
@@ -219,7 +248,7 @@ async def _serve(config: EngineConfig, settings: ServerSettings,
     except OSError as exc:
         logger.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
         return 1
-    metrics = ServerMetrics(config.model_name)
+    metrics = ServerMetrics(config.model_name, engine_indexes=local_ranks(config))
     try:
         engine = start_engine(config, metrics)
     except BaseException:

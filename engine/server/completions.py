@@ -82,7 +82,8 @@ async def create_completion(
     ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
     streams = [
         engine_stream(ctx, _engine_prompt(p), params, i,
-                      _per_prompt_kv(body.kv_transfer_params, index, len(prompts)))
+                      _per_prompt_kv(body.kv_transfer_params, index, len(prompts)),
+                      body.data_parallel_rank)
         for index, (p, i) in enumerate(zip(prompts, ids, strict=True))
     ]
     merged = merge_streams(streams)

@@ -85,7 +85,7 @@ _PARAMS = frozenset({
     "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "max_tokens", "max_completion_tokens",
     "min_tokens", "ignore_eos", "logprobs", "top_logprobs", "kv_transfer_params",
-    "request_id", "stream_options", "tokens",
+    "request_id", "stream_options", "tokens", "data_parallel_rank",
 })
 
 

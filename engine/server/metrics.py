@@ -72,104 +72,137 @@ def _field(stats: Any, name: str, default: Any = 0) -> Any:
 
 
 class _SnapshotCollector(Collector):
-    """Scheduler gauges and transfer counters from the latest SchedulerStats."""
+    """Scheduler gauges and transfer counters from each engine's latest SchedulerStats."""
 
     def __init__(self, owner: ServerMetrics) -> None:
         self._owner = owner
 
     def collect(self) -> Iterable[Metric]:
-        stats = self._owner.latest
         labels = self._owner.label_names
-        values = self._owner.label_values
+        engines = list(self._owner.engines.values())
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        def gauge(name: str, doc: str, field: str, default: float = 0) -> GaugeMetricFamily:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
-            g.add_metric(values, float(value))
+            for e in engines:
+                g.add_metric(e.label_values, float(_field(e.latest, field, default)))
             return g
 
         yield gauge("num_requests_running", "Requests in the running batch.",
-                    _field(stats, "num_running_reqs"))
+                    "num_running_reqs")
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.",
-                    _field(stats, "num_waiting_reqs"))
+                    "num_waiting_reqs")
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
-                    _field(stats, "kv_cache_usage", 0.0))
-        yield gauge("num_free_kv_blocks", "Free KV cache blocks.",
-                    _field(stats, "num_free_blocks"))
-        kv = self._owner.connector_values()
+                    "kv_cache_usage", 0.0)
+        yield gauge("num_free_kv_blocks", "Free KV cache blocks.", "num_free_blocks")
         for name, doc in TRANSFER_COUNTERS.items():
             c = CounterMetricFamily(PREFIX + name.removesuffix("_total"), doc, labels=labels)
-            c.add_metric(values, float(kv.get(name, 0.0)))
+            for e in engines:
+                c.add_metric(e.label_values, float(e.connector.get(name, 0.0)))
             yield c
         s = SummaryMetricFamily(PREFIX + TRANSFER_SECONDS,
                                 "Time spent moving KV between engines.", labels=labels)
-        total = kv.get(TRANSFER_SECONDS + "_sum", kv.get(TRANSFER_SECONDS, 0.0))
-        count = kv.get(TRANSFER_SECONDS + "_count", kv.get("kv_push_writes_total", 0.0))
-        s.add_metric(values, count_value=float(count), sum_value=float(total))
+        for e in engines:
+            kv = e.connector
+            total = kv.get(TRANSFER_SECONDS + "_sum", kv.get(TRANSFER_SECONDS, 0.0))
+            count = kv.get(TRANSFER_SECONDS + "_count", kv.get("kv_push_writes_total", 0.0))
+            s.add_metric(e.label_values, count_value=float(count), sum_value=float(total))
         yield s
 
 
-class ServerMetrics:
-    """One server's metrics. `record` is the engine's stat-logger hook."""
+class _EngineSeries:
+    """The labelled series of one engine (label engine="<index>")."""
 
-    def __init__(self, model_name: str, engine_index: int = 0) -> None:
+    def __init__(self, families: dict[str, Any], label_values: list[str]) -> None:
+        self.label_values = label_values
+        self.latest: SchedulerStats | Mapping[str, Any] | None = None
+        self.connector: dict[str, float] = {}
+        for name, family in families.items():
+            setattr(self, name, family.labels(*label_values))
+
+
+class ServerMetrics:
+    """One server's metrics, one series per engine (data parallel: one per rank). `record`
+    is the engine's stat-logger hook; the engine index picks the series."""
+
+    def __init__(self, model_name: str, engine_index: int = 0,
+                 engine_indexes: Iterable[int] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.label_names = ["model_name", "engine"]
-        self.label_values = [model_name, str(engine_index)]
-        self.latest: SchedulerStats | Mapping[str, Any] | None = None
-        self._connector: dict[str, float] = {}
         reg = self.registry
         names = self.label_names
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prefilled prompt tokens.",
-                                     names, registry=reg).labels(*self.label_values)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.",
-                                         names, registry=reg).labels(*self.label_values)
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
-                              "Time to first token.", names, buckets=_LATENCY_BUCKETS,
-                              registry=reg).labels(*self.label_values)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Inter-token latency.",
-                             names, buckets=_ITL_BUCKETS, registry=reg).labels(*self.label_values)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end latency.",
-                             names, buckets=_LATENCY_BUCKETS,
-                             registry=reg).labels(*self.label_values)
+        families = {
+            "prompt_tokens": Counter(PREFIX + "prompt_tokens", "Prefilled prompt tokens.",
+                                     names, registry=reg),
+            "generation_tokens": Counter(PREFIX + "generation_tokens", "Generated tokens.",
+                                         names, registry=reg),
+            "ttft": Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
+                              names, buckets=_LATENCY_BUCKETS, registry=reg),
+            "itl": Histogram(PREFIX + "inter_token_latency_seconds", "Inter-token latency.",
+                             names, buckets=_ITL_BUCKETS, registry=reg),
+            "e2e": Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end latency.",
+                             names, buckets=_LATENCY_BUCKETS, registry=reg),
+        }
         self.requests_finished = Counter(
             PREFIX + "request_success", "Finished requests by finish reason.",
             [*names, "finished_reason"], registry=reg)
+        indexes = list(engine_indexes) if engine_indexes is not None else [engine_index]
+        self.engines = {i: _EngineSeries(families, [model_name, str(i)]) for i in indexes}
+        self._first = self.engines[indexes[0]]
+        first = self._first
+        self.prompt_tokens, self.generation_tokens = first.prompt_tokens, first.generation_tokens
+        self.ttft, self.itl, self.e2e = first.ttft, first.itl, first.e2e
         reg.register(_SnapshotCollector(self))
+
+    # --- the first engine's series (single-engine callers) ------------------------------
+    @property
+    def label_values(self) -> list[str]:
+        return self._first.label_values
+
+    @property
+    def latest(self) -> Any:
+        return self._first.latest
+
+    def _series(self, engine_index: int | None) -> _EngineSeries:
+        if engine_index is None:
+            return self._first
+        return self.engines.get(engine_index, self._first)
 
     # --- feeding -------------------------------------------------------------------------
 
     def record(self, scheduler_stats: Any = None, iteration_stats: Any = None,
-               *_: Any, **__: Any) -> None:
+               *_: Any, engine_index: int | None = None, **__: Any) -> None:
         """Stat-logger hook: the latest scheduler snapshot and one iteration's counts."""
         if scheduler_stats is not None:
-            self.update_scheduler_stats(scheduler_stats)
+            self.update_scheduler_stats(scheduler_stats, engine_index)
         if iteration_stats is not None:
-            self.record_iteration(iteration_stats)
+            self.record_iteration(iteration_stats, engine_index)
 
-    def update_scheduler_stats(self, stats: Any) -> None:
-        self.latest = stats
+    def update_scheduler_stats(self, stats: Any, engine_index: int | None = None) -> None:
+        series = self._series(engine_index)
+        series.latest = stats
         kv = _field(stats, "kv_connector", None)
         if kv:
             for key, value in dict(kv).items():
                 try:
-                    self._connector[str(key).removeprefix(PREFIX)] = float(value)
+                    series.connector[str(key).removeprefix(PREFIX)] = float(value)
                 except (TypeError, ValueError):
                     continue  # a malformed value is dropped, never raised into the loop
 
-    def record_iteration(self, it: Any) -> None:
-        self.prompt_tokens.inc(max(0, int(_field(it, "num_prompt_tokens"))))
-        self.generation_tokens.inc(max(0, int(_field(it, "num_generation_tokens"))))
+    def record_iteration(self, it: Any, engine_index: int | None = None) -> None:
+        e = self._series(engine_index)
+        e.prompt_tokens.inc(max(0, int(_field(it, "num_prompt_tokens"))))
+        e.generation_tokens.inc(max(0, int(_field(it, "num_generation_tokens"))))
         for v in _field(it, "time_to_first_tokens_iter", ()) or ():
-            self.ttft.observe(v)
+            e.ttft.observe(v)
         for v in _field(it, "inter_token_latencies_iter", ()) or ():
-            self.itl.observe(v)
+            e.itl.observe(v)
         for fin in _field(it, "finished_requests", ()) or ():
-            self.e2e.observe(_field(fin, "e2e_latency", 0.0))
+            e.e2e.observe(_field(fin, "e2e_latency", 0.0))
             reason = str(_field(fin, "finish_reason", "unknown"))
-            self.requests_finished.labels(*self.label_values, reason).inc()
+            self.requests_finished.labels(*e.label_values, reason).inc()
 
-    def connector_values(self) -> dict[str, float]:
-        return dict(self._connector)
+    def connector_values(self, engine_index: int | None = None) -> dict[str, float]:
+        return dict(self._series(engine_index).connector)
 
     # --- exposition ----------------------------------------------------------------------
 

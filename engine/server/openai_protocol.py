@@ -60,6 +60,7 @@ class _SamplingFields(_Request):
     user: str | None = None
     logit_bias: dict[str, FiniteFloat] | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    data_parallel_rank: int | None = None  # pin to this DP engine of the server
 
     def _check_unsupported(self) -> None:
         if self.logit_bias:

@@ -82,6 +82,7 @@ async def engine_stream(
     params: SamplingParams,
     request_id: str,
     kv_transfer_params: dict[str, Any] | None,
+    data_parallel_rank: int | None = None,
 ) -> AsyncIterator[Any]:
     """The engine's outputs for one prompt, errors translated to APIError.
 
@@ -92,9 +93,10 @@ async def engine_stream(
     internal_id = make_internal_request_id(request_id)
     ctx.active.add(internal_id)
     try:
+        pin = {} if data_parallel_rank is None else {"data_parallel_rank": data_parallel_rank}
         gen = ctx.engine.generate(prompt, params, request_id,
                                   kv_transfer_params=kv_transfer_params,
-                                  internal_request_id=internal_id)
+                                  internal_request_id=internal_id, **pin)
         async for out in gen:
             finished = out.finished
             yield out

@@ -15,6 +15,7 @@ import torch
 from engine.config import EngineConfig
 from engine.kv_connector import KVCacheSpec, KVConnectorWorker
 from engine.models import load_arch, load_model
+from engine.models.parallel import Collectives
 from engine.protocol import SamplingParams
 from engine.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.worker import kernels
@@ -49,18 +50,23 @@ class CachedRequest:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, tp_rank: int = 0, tp_size: int = 1,
+                 comm: Collectives | None = None) -> None:
+        """With tp_size > 1 this is rank tp_rank's runner in a worker process: it holds that
+        rank's model shard and KV heads, and `comm` talks across the ranks."""
         self.config = config
         self.device = torch.device(config.device)
         self.arch = load_arch(config.model)
-        self.model = load_model(config.model, config.dtype, config.device)
+        self.model = load_model(config.model, config.dtype, config.device, tp_rank=tp_rank,
+                                tp_size=tp_size, comm=comm)
         self.max_model_len = config.resolved_max_model_len(self.arch.max_position_embeddings)
         self.block_size = config.block_size
         self.kv_cache_spec = self._kv_cache_spec()
         self.num_kv_blocks = self.kv_cache_spec.num_blocks
         a = self.arch
         self.kv_cache = alloc_kv_cache(
-            (self.num_kv_blocks, a.num_layers, 2, self.block_size, a.num_kv_heads, a.head_dim),
+            (self.num_kv_blocks, a.num_layers, 2, self.block_size, self.model.num_kv_heads,
+             a.head_dim),
             self.model.dtype, self.device,
         )
         self.scale = a.head_dim ** -0.5
@@ -73,7 +79,8 @@ class ModelRunner:
     def _kv_cache_spec(self) -> KVCacheSpec:
         a = self.arch
         itemsize = torch.empty((), dtype=self.model.dtype).element_size()
-        per_block = a.num_layers * 2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize
+        kv_heads = self.model.num_kv_heads  # this rank's
+        per_block = a.num_layers * 2 * self.block_size * kv_heads * a.head_dim * itemsize
         num_blocks = self.config.num_kv_blocks
         if num_blocks is None:
             gib = self.config.kv_cache_memory_gib or _DEFAULT_KV_GIB
@@ -82,7 +89,7 @@ class ModelRunner:
             raise ValueError(f"KV cache too small: {num_blocks} blocks of {per_block} bytes")
         return KVCacheSpec(
             num_blocks=num_blocks, block_size=self.block_size, num_layers=a.num_layers,
-            num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+            num_kv_heads=kv_heads, head_dim=a.head_dim,
             dtype=str(self.model.dtype).removeprefix("torch."), bytes_per_block=per_block,
             model_name=f"{a.architecture}:{a.hidden_size}:{a.vocab_size}",
         )

@@ -10,7 +10,8 @@ lease expires (`kv_lease_duration`, extended by D's `HB:<P request ids>`).
 
 Modules:
 - scheduler.py  PullScheduler — scheduler half, both roles (engine-core thread).
-- params.py     P's answer and the D-leg check (`validate_request_params`, HTTP 400).
+- params.py     P's answer and the D-leg decode (`validate_request_params`: the typed
+                `kvconnector.params.PullDecodeLeg`, or HTTP 400 naming the field).
 - signing.py    with a KV secret: P signs its answer, D admits only signed params for its
                 prompt within P's lease (docs/security.md).
 - meta.py       PullMeta (scheduler → worker each step), prompt digest.

@@ -23,7 +23,7 @@ from kvconnector.pull.scheduler import PullScheduler
 from kvconnector.pull.thread import PullThread
 from kvconnector.worker import NixlWorker
 
-__all__ = ["PullScheduler", "PullWorker", "make", "request_params_validator"]
+__all__ = ["PullWorker", "make", "request_params_validator"]
 
 
 def _new_stats() -> dict[str, float]:

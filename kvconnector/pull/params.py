@@ -19,7 +19,7 @@ from typing import Any
 
 from kvconnector import wire
 from kvconnector.endpoint import Endpoint
-from kvconnector.params import validate_kv_transfer_params
+from kvconnector.params import KVParams, PullDecodeLeg, decode
 from kvconnector.pull import signing
 from kvconnector.security import KVSecurity
 
@@ -37,30 +37,17 @@ def carriable_request_id(request_id: Any) -> bool:
     return True
 
 
-def validate_request_params(params: Any) -> None:
-    """The frontend's check of a request's kv_transfer_params in pull mode."""
-    validate_kv_transfer_params(params, "pull")
-    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
-        return
-    rrid = params.get("remote_request_id")
-    if rrid is None:
-        raise ValueError("kv_transfer_params.remote_request_id is required")
-    if not carriable_request_id(rrid):
-        raise ValueError("kv_transfer_params.remote_request_id must be a non-empty str "
-                         "without ',' that does not start with a notification tag")
-    digest = params.get("prompt_digest")
-    if digest is not None and not isinstance(digest, str):
-        raise ValueError("kv_transfer_params.prompt_digest must be str, "
-                         f"got {type(digest).__name__}")
-    expires = params.get("lease_expires_at")
-    if expires is not None and (isinstance(expires, bool)
-                                or not isinstance(expires, (int, float))):
-        raise ValueError("kv_transfer_params.lease_expires_at must be a number, "
-                         f"got {type(expires).__name__}")
-    if params["num_prompt_tokens"] < 1:
-        raise ValueError("kv_transfer_params.num_prompt_tokens must be at least 1")
-    if not params["remote_host"]:
-        raise ValueError("kv_transfer_params.remote_host must not be empty")
+def validate_request_params(params: Any) -> KVParams | None:
+    """Pull mode's decode of a request's kv_transfer_params: the field types
+    (`kvconnector.params.decode`), and a D leg's P request id and prompt length."""
+    leg = decode(params, "pull")
+    if isinstance(leg, PullDecodeLeg):
+        if not carriable_request_id(leg.remote_request_id):
+            raise ValueError("kv_transfer_params.remote_request_id must be a non-empty str "
+                             "without ',' that does not start with a notification tag")
+        if leg.num_prompt_tokens < 1:
+            raise ValueError("kv_transfer_params.num_prompt_tokens must be at least 1")
+    return leg
 
 
 def request_params_validator(config: Any, wall_clock: Callable[[], float] = time.time
@@ -71,8 +58,7 @@ def request_params_validator(config: Any, wall_clock: Callable[[], float] = time
     security = KVSecurity.from_config(config.kv_transfer_config, warn=False)
 
     def validate(params: dict[str, Any], prompt_token_ids: Sequence[int]) -> None:
-        validate_request_params(params)
-        if isinstance(params, dict) and params.get("do_remote_prefill"):
+        if isinstance(validate_request_params(params), PullDecodeLeg):
             signing.check(security, params, prompt_token_ids, wall_clock())
 
     return validate
@@ -80,20 +66,15 @@ def request_params_validator(config: Any, wall_clock: Callable[[], float] = time
 
 def prefill_answer(endpoint: Endpoint, request_id: str, block_ids: list[int],
                    num_prompt_tokens: int, digest: str, lease_expires_at: float,
-                   transfer_id: Any) -> dict[str, Any]:
-    """P's kv_transfer_params for a finished prefill whose blocks it now leases."""
-    answer: dict[str, Any] = {
-        "do_remote_prefill": True,
-        "remote_engine_id": endpoint.engine_id,
-        "remote_host": endpoint.host,
-        "remote_port": endpoint.port,
-        "tp_size": 1,
-        "remote_request_id": request_id,
-        "remote_block_ids": list(block_ids),
-        "num_prompt_tokens": num_prompt_tokens,
-        "prompt_digest": digest,
-        "lease_expires_at": round(lease_expires_at, 3),
-    }
-    if isinstance(transfer_id, str):
+                   transfer_id: str) -> dict[str, Any]:
+    """P's kv_transfer_params for a finished prefill whose blocks it now leases (wire form:
+    the proxy forwards it to D as it is)."""
+    answer = PullDecodeLeg(
+        remote_engine_id=endpoint.engine_id, remote_host=endpoint.host,
+        remote_port=endpoint.port, tp_size=1, remote_request_id=request_id,
+        remote_block_ids=list(block_ids), num_prompt_tokens=num_prompt_tokens,
+        prompt_digest=digest, lease_expires_at=round(lease_expires_at, 3),
+    ).to_wire()
+    if transfer_id:
         answer["transfer_id"] = transfer_id
     return answer

@@ -29,8 +29,9 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.kv_connector import ConnectorRequest, KVCacheSpec
+from engine.kv_connector import KVCacheSpec
 from kvconnector.endpoint import Endpoint
+from kvconnector.params import KVParams, PrefillLeg, PullDecodeLeg
 from kvconnector.pull import signing
 from kvconnector.pull.meta import Claim, Lease, PullMeta, Read, prompt_digest
 from kvconnector.pull.params import (
@@ -38,7 +39,7 @@ from kvconnector.pull.params import (
     prefill_answer,
     validate_request_params,
 )
-from kvconnector.scheduler_half import TransferScheduler
+from kvconnector.scheduler_half import TransferRequest, TransferScheduler
 from kvconnector.security import KVSecurity
 
 logger = logging.getLogger(__name__)
@@ -66,60 +67,64 @@ class PullScheduler(TransferScheduler):
         self.stats["kv_pull_refused_params_total"] = 0
 
     # --- D side -------------------------------------------------------------------
-    def on_request_added(self, request: ConnectorRequest) -> None:
-        p = request.kv_transfer_params
-        if not isinstance(p, dict) or not p.get("do_remote_prefill"):
+    def _decode(self, params: Any) -> KVParams | None:
+        return validate_request_params(params)
+
+    def _refused(self, request: TransferRequest, reason: str) -> None:
+        self.stats["kv_pull_refused_params_total"] += 1
+        logger.warning("request %s: not reading KV from P (%s); prefilling locally",
+                       request.request_id, reason)
+
+    def _arrived(self, request: TransferRequest, params: KVParams | None) -> None:
+        if not isinstance(params, PullDecodeLeg):
             return
-        reason = self._refusal(request, p)
+        reason = self._refusal(request, params)
         if reason is not None:
-            self.stats["kv_pull_refused_params_total"] += 1
-            logger.warning("request %s: not reading KV from P (%s); prefilling locally",
-                           request.request_id, reason)
+            request.kv_params = None  # never read P's blocks: a local prefill
+            self._refused(request, reason)
             return
-        claim = Claim(request.request_id, p["remote_request_id"], p["remote_engine_id"],
-                      p["remote_host"], p["remote_port"])
+        claim = Claim(request.request_id, params.remote_request_id, params.remote_engine_id,
+                      params.remote_host, params.remote_port)
         self._claimed[(claim.remote_engine_id, claim.remote_request_id)] = math.inf
         self._accepted[request.request_id] = claim
         self._meta.claims.append(claim)
 
-    def _refusal(self, request: ConnectorRequest, p: dict[str, Any]) -> str | None:
-        """Why these params must not load this request's KV, or None when they fit."""
+    def _refusal(self, request: TransferRequest, p: PullDecodeLeg) -> str | None:
+        """Why these (decoded) params must not load this request's KV, or None when they
+        fit. The signature is checked on the wire form, as received (`pull.signing`)."""
         try:
-            validate_request_params(p)
-        except ValueError as e:
-            return str(e)
-        try:
-            signing.check(self.security, p, request.prompt_token_ids, self.wall_clock())
+            signing.check(self.security, request.kv_transfer_params or {},
+                          request.prompt_token_ids, self.wall_clock())
         except ValueError as e:
             return str(e)
         n = request.num_prompt_tokens
-        if p["tp_size"] != 1:
-            return f"P's tp_size {p['tp_size']} is not supported (pull reads from tp_size 1)"
-        if p["num_prompt_tokens"] != n:
-            return f"P prefilled {p['num_prompt_tokens']} tokens, this prompt has {n}"
-        if len(p["remote_block_ids"]) != self.num_blocks(n):
-            return (f"P lists {len(p['remote_block_ids'])} blocks for {n} tokens at block "
+        if p.tp_size != 1:
+            return f"P's tp_size {p.tp_size} is not supported (pull reads from tp_size 1)"
+        if p.num_prompt_tokens != n:
+            return f"P prefilled {p.num_prompt_tokens} tokens, this prompt has {n}"
+        if len(p.remote_block_ids) != self.num_blocks(n):
+            return (f"P lists {len(p.remote_block_ids)} blocks for {n} tokens at block "
                     f"size {self.block_size}")
-        digest = p.get("prompt_digest")
-        if digest is not None and digest != prompt_digest(request.prompt_token_ids):
+        if p.prompt_digest is not None and p.prompt_digest != prompt_digest(
+                request.prompt_token_ids):
             return "this prompt differs from the one P prefilled (prompt_digest)"
-        expires = p.get("lease_expires_at")
-        if expires is not None and self.wall_clock() > expires - _LEASE_MARGIN_S:
+        if p.lease_expires_at is not None and (
+                self.wall_clock() > p.lease_expires_at - _LEASE_MARGIN_S):
             return "P's lease on these blocks has run out (lease_expires_at)"
-        key = (p["remote_engine_id"], p["remote_request_id"])
+        key = (p.remote_engine_id, p.remote_request_id)
         if self._claimed.get(key, -math.inf) > self.clock():
             return (f"P request {key[1]} of engine {key[0]} is already claimed (its blocks "
                     "are read once)")
         return None
 
-    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int
+    def get_num_new_matched_tokens(self, request: TransferRequest, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
         rid = request.request_id
         if rid not in self._accepted or rid in self._reading:
             return 0, False
         return request.num_prompt_tokens - num_computed_tokens, True
 
-    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int],
+    def update_state_after_alloc(self, request: TransferRequest, block_ids: list[int],
                                  num_external_tokens: int) -> None:
         rid = request.request_id
         claim = self._accepted.get(rid)
@@ -128,7 +133,8 @@ class PullScheduler(TransferScheduler):
         if num_external_tokens <= 0:
             self._abandon(rid)
             return
-        remote = request.kv_transfer_params["remote_block_ids"]
+        assert isinstance(request.kv_params, PullDecodeLeg)  # accepted: decoded on arrival
+        remote = request.kv_params.remote_block_ids
         first = (request.num_prompt_tokens - num_external_tokens) // self.block_size
         last = self.num_blocks(request.num_prompt_tokens)
         self._meta.reads.append(Read(claim, list(block_ids[first:last]),
@@ -143,7 +149,7 @@ class PullScheduler(TransferScheduler):
                 if until <= now:
                     del self._claimed[key]
 
-    def request_finished(self, request: ConnectorRequest, block_ids: list[int]
+    def request_finished(self, request: TransferRequest, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         if rid in self._reading:  # D: the READ may still land in these blocks
@@ -155,12 +161,12 @@ class PullScheduler(TransferScheduler):
         if rid in self._accepted:  # D: finished before any READ was posted
             self._abandon(rid)
             return False, None
-        params = request.kv_transfer_params
-        if isinstance(params, dict) and params.get("do_remote_decode"):
+        params = request.kv_params
+        if isinstance(params, PrefillLeg):
             return self._lease(request, block_ids, params)
         return False, None
 
-    def _lease(self, request: ConnectorRequest, block_ids: list[int], params: dict[str, Any]
+    def _lease(self, request: TransferRequest, block_ids: list[int], params: PrefillLeg
                ) -> tuple[bool, dict[str, Any] | None]:
         """P: keep the prompt blocks for D and answer with where to read them."""
         rid = request.request_id
@@ -177,7 +183,7 @@ class PullScheduler(TransferScheduler):
         self._held.add(rid)
         answer = prefill_answer(self.endpoint, rid, blocks, request.num_prompt_tokens,
                                 prompt_digest(request.prompt_token_ids),
-                                self.wall_clock() + self.lease, params.get("transfer_id"))
+                                self.wall_clock() + self.lease, params.tid)
         return True, signing.signed(self.security, answer)
 
     def _abandon(self, rid: str) -> None:

@@ -13,7 +13,9 @@ Modules:
                 `kvconnector.worker.NixlWorker` with Sender and Receiver).
 - writer.py     PushWriter — the shared transfer thread's push routes (`nixl-push-writer`):
                 which metadata field and which notification goes to which half.
-- sender.py     P side: matching tables (by transfer_id when both sides carry one, else —
+- sender.py     P side: one `Staged` per P request, in one `SendState` (STAGED, MATCHED,
+                WRITING); registrations P holds; matching (by transfer_id when both
+                sides carry one, else —
                 neither does, vLLM's push protocol — exact id, then base id; always the
                 same prompt digest, PUSH_FAIL otherwise), leases extended by HB (transfer
                 id or base request id), WRITE posting with completion `<D id>:<tp>`,
@@ -21,7 +23,9 @@ Modules:
                 PUSH_CANCEL handling (ACK only once no WRITE can land), tombstones for
                 transfers P gave up on (a late PUSH_REG gets PUSH_FAIL), ttl guard (no
                 WRITE for a registration older than `push_registration_timeout`).
-- receiver.py   D side: handshake then PUSH_REG, heartbeats while queued or waiting,
+- receiver.py   D side: one `Recv` per request, in one `RecvState` (QUEUED, UNSENT,
+                WAITING, QUARANTINED, SAFE); handshake then PUSH_REG, heartbeats while
+                queued or waiting,
                 completion → finished_recving, PUSH_FAIL / watchdog / dead P →
                 failed_recving (the scheduler applies `kv_load_failure_policy`),
                 quarantine after PUSH_CANCEL until ACK or `2 * ttl + grace` since sending.

@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.kv_connector import KVCacheSpec
 from kvconnector.endpoint import Endpoint
 from kvconnector.nixl import NixlTransport
-from kvconnector.params import validate_kv_transfer_params
+from kvconnector.params import decode
 from kvconnector.peers import Peers
 from kvconnector.push.receiver import Receiver
 from kvconnector.push.scheduler import PushScheduler
@@ -23,7 +23,7 @@ from kvconnector.push.sender import Sender, SenderStats
 from kvconnector.push.writer import PushWriter
 from kvconnector.worker import NixlWorker
 
-__all__ = ["PushScheduler", "PushWorker", "make", "request_params_validator"]
+__all__ = ["PushWorker", "make", "request_params_validator"]
 
 
 class PushWorker(NixlWorker):
@@ -54,4 +54,8 @@ def make(config: EngineConfig, spec: KVCacheSpec) -> tuple[PushScheduler, PushWo
 def request_params_validator(config: EngineConfig
                              ) -> Callable[[dict[str, Any], Sequence[int]], None]:
     """The frontend's admission check of a request's kv_transfer_params (HTTP 400)."""
-    return lambda params, prompt_token_ids: validate_kv_transfer_params(params, "push")
+
+    def validate(params: dict[str, Any], prompt_token_ids: Sequence[int]) -> None:
+        decode(params, "push")
+
+    return validate

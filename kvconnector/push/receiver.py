@@ -21,8 +21,10 @@ refused (counted in `refused`, logged, dropped).
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,14 +38,28 @@ logger = logging.getLogger(__name__)
 _PROBE_FAILURES_FOR_DEAD = 2
 
 
-@dataclass
-class Waiting:
-    reg: Registration
-    sent_at: float
+class RecvState(enum.Enum):
+    """Where one D request stands (docs/design.md §6 draws the machine)."""
 
-    @property
-    def addr(self) -> Address:
-        return (self.reg.remote_host, self.reg.remote_port)
+    QUEUED = "queued"  # in D's queue, no blocks yet: heartbeat P only
+    UNSENT = "unsent"  # blocks registered, PUSH_REG waits for the handshake with P
+    WAITING = "waiting"  # PUSH_REG sent, no completion yet: a WRITE may land
+    QUARANTINED = "quarantined"  # cancelled, unacknowledged: a WRITE may land until `deadline`
+    SAFE = "safe"  # no WRITE can land any more; the blocks wait for the scheduler's release
+
+
+@dataclass
+class Recv:
+    """One D request's state; `released`: the scheduler is done with it. SAFE and released
+    is the end: the entry goes and the id is reported in `done` (its blocks may be freed)."""
+
+    state: RecvState
+    addr: Address  # P's side channel
+    hb_id: str  # what heartbeats name it by
+    reg: Registration | None = None  # from UNSENT on
+    sent_at: float = 0.0  # WAITING: when the PUSH_REG left
+    deadline: float = 0.0  # QUARANTINED: when nothing can land any more
+    released: bool = False
 
 
 class Receiver:
@@ -58,12 +74,9 @@ class Receiver:
         self.hb_interval = hb_interval
         self.grace = grace
         self.stats = stats
-        self.queued: dict[str, Queued] = {}  # waiting in D's queue: heartbeat only
-        self.unsent: dict[str, Registration] = {}  # waiting for the handshake with P
-        self.waiting: dict[str, Waiting] = {}  # PUSH_REG sent, no completion yet
-        self.quarantine: dict[str, tuple[Address, float]] = {}  # cancelled: unacked until
-        self.safe: set[str] = set()  # no WRITE can land any more
-        self.released: set[str] = set()  # the scheduler is done with the request
+        self.requests: dict[str, Recv] = {}  # every request not done yet, by D request id
+        self._count: Counter[RecvState] = Counter()  # requests per state (an index)
+        # Outputs, drained by the transfer thread each step:
         self.finished_recving: set[str] = set()
         self.failed_recving: dict[str, str] = {}
         self.done: set[str] = set()
@@ -73,63 +86,101 @@ class Receiver:
             queue.SimpleQueue())
         self.refused = 0  # notifications from an agent other than the request's P
 
+    # --- the state table ----------------------------------------------------------
+    def _enter(self, rid: str, r: Recv) -> None:
+        old = self.requests.get(rid)
+        if old is not None:
+            self._count[old.state] -= 1
+            r.released = old.released
+        self.requests[rid] = r
+        self._count[r.state] += 1
+
+    def _move(self, rid: str, state: RecvState) -> Recv:
+        r = self.requests[rid]
+        self._count[r.state] -= 1
+        self._count[state] += 1
+        r.state = state
+        return r
+
+    def _in(self, state: RecvState) -> dict[str, Recv]:
+        """The requests in `state` (a view built on demand)."""
+        if not self._count[state]:
+            return {}
+        return {rid: r for rid, r in self.requests.items() if r.state is state}
+
+    def _state(self, rid: str) -> RecvState | None:
+        r = self.requests.get(rid)
+        return None if r is None else r.state
+
+    @property
+    def waiting(self) -> dict[str, Recv]:
+        return self._in(RecvState.WAITING)
+
+    @property
+    def quarantine(self) -> dict[str, Recv]:
+        return self._in(RecvState.QUARANTINED)
+
     # --- events from the scheduler ------------------------------------------------
     def on_queued(self, q: Queued) -> None:
-        self.queued[q.request_id] = q
-        self.peers.get((q.remote_host, q.remote_port))  # handshake while D queues
+        addr = (q.remote_host, q.remote_port)
+        self._enter(q.request_id, Recv(RecvState.QUEUED, addr, q.hb_id))
+        self.peers.get(addr)  # handshake while D queues
 
     def on_registration(self, reg: Registration) -> None:
-        self.queued.pop(reg.request_id, None)
-        self.unsent[reg.request_id] = reg
+        self._enter(reg.request_id, Recv(RecvState.UNSENT, (reg.remote_host, reg.remote_port),
+                                         reg.hb_id, reg))
 
     def on_watchdog(self, rid: str) -> None:
-        if rid in self.unsent:
-            del self.unsent[rid]
-            self._fail(rid, "registration never reached P before the watchdog", safe=True)
-        elif rid in self.waiting:
+        state = self._state(rid)
+        if state is RecvState.UNSENT:
+            self._fail(rid, "registration never reached P before the watchdog")
+        elif state is RecvState.WAITING:
             self._cancel(rid, "no KV from P within push_registration_timeout")
 
     def on_released(self, rid: str) -> None:
-        self.released.add(rid)
-        if self.queued.pop(rid, None) is not None or self.unsent.pop(rid, None) is not None:
-            self.safe.add(rid)
-        elif rid in self.waiting:
+        r = self.requests.get(rid)
+        if r is None:  # never registered, or its transfer is long over
+            self.done.add(rid)
+            return
+        r.released = True
+        if r.state in (RecvState.QUEUED, RecvState.UNSENT):
+            self._move(rid, RecvState.SAFE)  # no PUSH_REG left D: nothing can land
+        elif r.state is RecvState.WAITING:
             self._cancel(rid, None)
-        elif rid not in self.quarantine:
-            self.safe.add(rid)
         self._settle(rid)
 
     # --- events from P ------------------------------------------------------------
     def on_completion(self, rid: str, agent: str | None = None) -> None:
         if not self._from_p(rid, agent, "completion"):
             return
-        if self.waiting.pop(rid, None) is not None and rid not in self.released:
-            self.finished_recving.add(rid)
-        elif self.quarantine.pop(rid, None) is not None:
+        state = self._state(rid)
+        if state is RecvState.WAITING:
+            self.finished_recving.add(rid)  # WAITING is never released (that cancels)
+        elif state is RecvState.QUARANTINED:
             logger.info("WRITE for cancelled %s completed before the cancel reached P", rid)
         else:
             logger.warning("completion for unknown request %s dropped", rid)
             return
-        self.safe.add(rid)
+        self._move(rid, RecvState.SAFE)
         self._settle(rid)
 
     def on_push_fail(self, rid: str, reason: str, agent: str | None = None) -> None:
         if not self._from_p(rid, agent, "PUSH_FAIL"):
             return
-        known = self.waiting.pop(rid, None) or self.quarantine.pop(rid, None)
-        if known is None:
+        state = self._state(rid)
+        if state is RecvState.WAITING:
+            self.failed_recving[rid] = f"prefill engine will not write: {reason}"
+        elif state is not RecvState.QUARANTINED:  # cancelled: its failure is already told
             logger.warning("PUSH_FAIL for unknown request %s dropped", rid)
             return
-        if rid not in self.released and not isinstance(known, tuple):
-            self.failed_recving[rid] = f"prefill engine will not write: {reason}"
-        self.safe.add(rid)
+        self._move(rid, RecvState.SAFE)
         self._settle(rid)
 
     def on_cancel_ack(self, rid: str, agent: str | None = None) -> None:
         if not self._from_p(rid, agent, "PUSH_CANCEL_ACK"):
             return
-        if self.quarantine.pop(rid, None) is not None:
-            self.safe.add(rid)
+        if self._state(rid) is RecvState.QUARANTINED:
+            self._move(rid, RecvState.SAFE)
             self._settle(rid)
 
     def on_probe(self, addr: Address, verdict: str, agent: str | None = None) -> None:
@@ -154,12 +205,11 @@ class Receiver:
         for addr, verdict, agent in self._drain_probes():
             self.on_probe(addr, verdict, agent)
         self._send_unsent(now)
-        for rid, (_, deadline) in list(self.quarantine.items()):
-            if now >= deadline:
+        for rid, r in self.quarantine.items():
+            if now >= r.deadline:
                 logger.warning("no cancel ack for %s by its deadline; P can no longer write",
                                rid)
-                del self.quarantine[rid]
-                self.safe.add(rid)
+                self._move(rid, RecvState.SAFE)
                 self._settle(rid)
         if now >= self._next_hb:
             self._next_hb = now + self.hb_interval
@@ -167,11 +217,12 @@ class Receiver:
 
     def needs_poll(self) -> bool:
         """Poll while a WRITE may be landing (the target must progress too)."""
-        return bool(self.waiting or self.unsent)
+        return bool(self._count[RecvState.WAITING] or self._count[RecvState.UNSENT])
 
     def next_deadline(self) -> float | None:
-        times = [d for _, d in self.quarantine.values()]
-        if self.queued or self.quarantine or self.peers.failed_with_agent():
+        times = [r.deadline for r in self.quarantine.values()]
+        if (self._count[RecvState.QUEUED] or self._count[RecvState.QUARANTINED]
+                or self.peers.failed_with_agent()):
             times.append(self._next_hb)  # heartbeats and liveness probes
         return min(times) if times else None
 
@@ -179,16 +230,16 @@ class Receiver:
     def _from_p(self, rid: str, agent: str | None, what: str) -> bool:
         """Whether `agent` is the P agent loaded for this request's P address (a request D
         does not wait for is left to the caller's own 'unknown' handling)."""
-        w = self.waiting.get(rid)
-        addr = w.addr if w is not None else self.quarantine.get(rid, (None,))[0]
-        if agent is None or addr is None:
+        r = self.requests.get(rid)
+        if agent is None or r is None or r.state not in (RecvState.WAITING,
+                                                         RecvState.QUARANTINED):
             return True
-        expected = self.peers.known_agent(addr)
+        expected = self.peers.known_agent(r.addr)
         if agent == expected:
             return True
         self.refused += 1
         logger.warning("refused %s for %s from agent %s: the request's P at %s:%d is agent %s",
-                       what, rid, agent, *addr, expected)
+                       what, rid, agent, *r.addr, expected)
         return False
 
     def _drain_probes(self) -> list[tuple[Address, str, str | None]]:
@@ -198,15 +249,15 @@ class Receiver:
         return out
 
     def _send_unsent(self, now: float) -> None:
-        for rid, reg in list(self.unsent.items()):
-            addr = (reg.remote_host, reg.remote_port)
+        for rid, r in self._in(RecvState.UNSENT).items():
+            reg, addr = r.reg, r.addr
+            assert reg is not None
             peer = self.peers.get(addr)
             if peer.status == "pending":
                 continue
-            del self.unsent[rid]
             if peer.status == "failed":
                 self._fail(rid, f"handshake with prefill engine {reg.remote_engine_id} at "
-                                f"{addr[0]}:{addr[1]} failed: {peer.reason}", safe=True)
+                                f"{addr[0]}:{addr[1]} failed: {peer.reason}")
                 continue
             try:
                 msg = wire.encode_push_reg(wire.PushReg(
@@ -219,50 +270,53 @@ class Receiver:
                 ))
                 self.t.send_notif(peer.agent_name, msg)
             except Exception as e:  # noqa: BLE001
-                self._fail(rid, f"sending PUSH_REG to {addr[0]}:{addr[1]} failed: {e}",
-                           safe=True)
+                self._fail(rid, f"sending PUSH_REG to {addr[0]}:{addr[1]} failed: {e}")
                 continue
             self.stats["kv_push_registrations_sent_total"] += 1
-            self.waiting[rid] = Waiting(reg, now)
+            self._move(rid, RecvState.WAITING).sent_at = now
 
     def _cancel(self, rid: str, failure: str | None) -> None:
-        w = self.waiting.pop(rid)
-        deadline = w.sent_at + 2 * self.ttl + self.grace
-        self.quarantine[rid] = (w.addr, deadline)
-        if failure and rid not in self.released:
+        """WAITING → QUARANTINED: tell P to stop; its WRITE may land until the deadline."""
+        r = self._move(rid, RecvState.QUARANTINED)
+        r.deadline = r.sent_at + 2 * self.ttl + self.grace
+        if failure and not r.released:
             self.failed_recving[rid] = failure
             self.stats["kv_recv_failed_total"] += 1
         # Also to a peer declared dead: one that was only frozen or cut off gets the cancel
         # right after our PUSH_REG (same agent pair, in order) and never writes; the
         # quarantine deadline alone would not hold against a P that wakes up late.
-        agent = self.peers.known_agent(w.addr)
+        agent = self.peers.known_agent(r.addr)
         if agent is not None:
+            assert r.reg is not None
             try:
-                self.t.send_notif(agent, wire.encode_push_cancel(rid, w.reg.transfer_id))
+                self.t.send_notif(agent, wire.encode_push_cancel(rid, r.reg.transfer_id))
             except Exception as e:  # noqa: BLE001 - the deadline still bounds the quarantine
-                logger.warning("PUSH_CANCEL for %s to %s:%d failed: %s", rid, *w.addr, e)
+                logger.warning("PUSH_CANCEL for %s to %s:%d failed: %s", rid, *r.addr, e)
 
-    def _fail(self, rid: str, reason: str, safe: bool) -> None:
+    def _fail(self, rid: str, reason: str) -> None:
+        """A request nothing can land in any more will not get its KV (→ SAFE)."""
         logger.warning("receiving KV for %s failed: %s", rid, reason)
-        if rid not in self.released:
+        if not self.requests[rid].released:
             self.failed_recving[rid] = reason
             self.stats["kv_recv_failed_total"] += 1
-        if safe:
-            self.safe.add(rid)
-            self._settle(rid)
+        self._move(rid, RecvState.SAFE)
+        self._settle(rid)
 
     def _settle(self, rid: str) -> None:
-        if rid in self.safe and rid in self.released:
-            self.safe.discard(rid)
-            self.released.discard(rid)
+        r = self.requests[rid]
+        if r.state is RecvState.SAFE and r.released:
+            del self.requests[rid]
+            self._count[RecvState.SAFE] -= 1
             self.done.add(rid)
 
     def _heartbeat(self) -> None:
         by_peer: dict[Address, list[str]] = {}
-        for q in self.queued.values():
-            by_peer.setdefault((q.remote_host, q.remote_port), []).append(q.hb_id)
-        for w in self.waiting.values():
-            by_peer.setdefault(w.addr, []).append(w.reg.hb_id)
+        watched: set[Address] = set()
+        for r in self.requests.values():
+            if r.state in (RecvState.QUEUED, RecvState.WAITING):
+                by_peer.setdefault(r.addr, []).append(r.hb_id)
+            if r.state in (RecvState.WAITING, RecvState.QUARANTINED):
+                watched.add(r.addr)
         for addr, ids in by_peer.items():
             peer = self.peers.get(addr)
             # An id a heartbeat cannot carry (a request id with ',') is not heartbeated: at
@@ -273,20 +327,24 @@ class Receiver:
                     self.t.send_notif(peer.agent_name, wire.encode_heartbeat(ids))
                 except Exception as e:  # noqa: BLE001 - the probe below tells what it means
                     logger.warning("heartbeat to %s:%d failed: %s", *addr, e)
-        watched = {w.addr for w in self.waiting.values()}
-        watched |= {a for a, _ in self.quarantine.values()}
         watched |= set(self.peers.failed_with_agent())
         for addr in watched:
             self.peers.probe(addr, lambda a, v, ag: self.probe_results.put((a, v, ag)))
 
+    def _at(self, addr: Address, *states: RecvState) -> list[str]:
+        return [rid for rid, r in self.requests.items() if r.addr == addr and r.state in states]
+
     def _peer_dead(self, addr: Address) -> None:
         self._probe_failures.pop(addr, None)
         self.peers.mark_failed(addr, "not answering")
-        for rid, w in list(self.waiting.items()):
-            if w.addr == addr:
-                self._cancel(rid, f"prefill engine {w.reg.remote_engine_id} at "
-                                  f"{addr[0]}:{addr[1]} is unreachable")
-        self._fail_unsent(addr, "is unreachable")
+        where = f"{addr[0]}:{addr[1]}"
+        for rid in self._at(addr, RecvState.WAITING):
+            reg = self.requests[rid].reg
+            assert reg is not None
+            self._cancel(rid, f"prefill engine {reg.remote_engine_id} at {where} is "
+                              "unreachable")
+        for rid in self._at(addr, RecvState.UNSENT):  # nothing left D: nothing can land
+            self._fail(rid, f"prefill engine at {where} is unreachable")
 
     def _peer_gone(self, addr: Address) -> None:
         """P's process at `addr` no longer exists: nothing it held can be written any more."""
@@ -295,35 +353,25 @@ class Receiver:
         where = f"{addr[0]}:{addr[1]}"
         logger.warning("prefill engine at %s is gone (process exited or restarted): freeing "
                        "its quarantined blocks", where)
-        for rid, w in list(self.waiting.items()):
-            if w.addr == addr:
-                del self.waiting[rid]
-                self._fail(rid, f"prefill engine {w.reg.remote_engine_id} at {where} is gone",
-                           safe=True)
-        self._fail_unsent(addr, "is gone")
-        for rid, (qaddr, _) in list(self.quarantine.items()):
-            if qaddr == addr:
-                del self.quarantine[rid]
-                self.safe.add(rid)
+        for rid in self._at(addr, RecvState.WAITING, RecvState.UNSENT, RecvState.QUARANTINED):
+            r = self.requests[rid]
+            if r.state is RecvState.QUARANTINED:
+                self._move(rid, RecvState.SAFE)
                 self._settle(rid)
+            elif r.state is RecvState.WAITING:
+                assert r.reg is not None
+                self._fail(rid, f"prefill engine {r.reg.remote_engine_id} at {where} is gone")
+            else:
+                self._fail(rid, f"prefill engine at {where} is gone")
         self.peers.forget(addr)
-
-    def _fail_unsent(self, addr: Address, what: str) -> None:
-        """Registrations for P at `addr` that never left D fail over (nothing can land)."""
-        for rid, reg in list(self.unsent.items()):
-            if (reg.remote_host, reg.remote_port) == addr:
-                del self.unsent[rid]
-                self._fail(rid, f"prefill engine at {addr[0]}:{addr[1]} {what}", safe=True)
 
     def addresses_in_use(self) -> set[Address]:
         """P addresses a request still needs (never pruned as idle)."""
-        used = {(q.remote_host, q.remote_port) for q in self.queued.values()}
-        used |= {(r.remote_host, r.remote_port) for r in self.unsent.values()}
-        used |= {w.addr for w in self.waiting.values()}
-        used |= {a for a, _ in self.quarantine.values()}
-        return used
+        return {r.addr for r in self.requests.values() if r.state is not RecvState.SAFE}
 
     def table_sizes(self) -> dict[str, int]:
-        return {"d_queued": len(self.queued), "d_unsent": len(self.unsent),
-                "d_waiting": len(self.waiting), "d_quarantine": len(self.quarantine),
-                "d_safe": len(self.safe), "d_released": len(self.released)}
+        c = self._count
+        return {"d_queued": c[RecvState.QUEUED], "d_unsent": c[RecvState.UNSENT],
+                "d_waiting": c[RecvState.WAITING], "d_quarantine": c[RecvState.QUARANTINED],
+                "d_safe": c[RecvState.SAFE],
+                "d_released": sum(r.released for r in self.requests.values())}

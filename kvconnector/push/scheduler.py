@@ -18,10 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.kv_connector import ConnectorRequest, KVCacheSpec
-from kvconnector.params import transfer_id_of, validate_kv_transfer_params
+from engine.kv_connector import KVCacheSpec
+from kvconnector.params import KVParams, PrefillLeg, PushDecodeLeg, decode
 from kvconnector.push.meta import FinishedBlocks, PushMeta, Queued, Registration
-from kvconnector.scheduler_half import TransferScheduler
+from kvconnector.scheduler_half import TransferRequest, TransferScheduler
 from kvconnector.security import prompt_digest
 
 logger = logging.getLogger(__name__)
@@ -40,48 +40,38 @@ class PushScheduler(TransferScheduler):
         self.stats["kv_registration_expired_total"] = 0
 
     # --- D side -------------------------------------------------------------------
-    def _remote_params(self, request: ConnectorRequest) -> dict[str, Any] | None:
-        """The request's D-leg params, or None; bad params mean a local prefill."""
-        p = request.kv_transfer_params
-        if not p or not p.get("do_remote_prefill"):
-            return None
-        try:
-            validate_kv_transfer_params(p, "push")
-        except ValueError as e:
-            logger.warning("request %s: %s; prefilling locally", request.request_id, e)
-            return None
-        return p
+    def _decode(self, params: Any) -> KVParams | None:
+        return decode(params, "push")
 
-    def on_request_added(self, request: ConnectorRequest) -> None:
-        p = self._remote_params(request)
-        if p is not None:
-            self._meta.queued.append(Queued(request.request_id, transfer_id_of(p),
-                                            p["remote_engine_id"], p["remote_host"],
-                                            p["remote_port"]))
+    def _arrived(self, request: TransferRequest, params: KVParams | None) -> None:
+        if isinstance(params, PushDecodeLeg):
+            self._meta.queued.append(Queued(request.request_id, params.tid,
+                                            params.remote_engine_id, params.remote_host,
+                                            params.remote_port))
             self._held.add(request.request_id)
 
-    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int
+    def get_num_new_matched_tokens(self, request: TransferRequest, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
         # Marked as asked only once blocks are allocated (update_state_after_alloc): when
         # allocation fails the scheduler asks again next step and must get the same answer.
-        if self._remote_params(request) is None or request.request_id in self._asked:
+        if not isinstance(request.kv_params, PushDecodeLeg) or request.request_id in self._asked:
             return 0, False
         return request.num_prompt_tokens - num_computed_tokens, True
 
-    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int],
+    def update_state_after_alloc(self, request: TransferRequest, block_ids: list[int],
                                  num_external_tokens: int) -> None:
-        if num_external_tokens <= 0:
+        p = request.kv_params
+        if num_external_tokens <= 0 or not isinstance(p, PushDecodeLeg):
             return
         self._asked.add(request.request_id)
-        p = request.kv_transfer_params
         first = (request.num_prompt_tokens - num_external_tokens) // self.block_size
         last = self.num_blocks(request.num_prompt_tokens)
         reg = Registration(
-            request_id=request.request_id, transfer_id=transfer_id_of(p),
+            request_id=request.request_id, transfer_id=p.tid,
             local_block_ids=list(block_ids[first:last]), first_block_index=first,
             num_prompt_tokens=request.num_prompt_tokens,
-            remote_engine_id=p["remote_engine_id"], remote_host=p["remote_host"],
-            remote_port=p["remote_port"], remote_tp_size=p.get("tp_size", 1),
+            remote_engine_id=p.remote_engine_id, remote_host=p.remote_host,
+            remote_port=p.remote_port, remote_tp_size=p.tp_size,
             prompt_digest=prompt_digest(request.prompt_token_ids),
         )
         self._meta.registrations.append(reg)
@@ -101,19 +91,19 @@ class PushScheduler(TransferScheduler):
                 self._meta.watchdog_expired.append(rid)
                 self.stats["kv_registration_expired_total"] += 1
 
-    def request_finished(self, request: ConnectorRequest, block_ids: list[int]
+    def request_finished(self, request: TransferRequest, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        params = request.kv_transfer_params or {}
+        params = request.kv_params
         self._asked.discard(rid)
         self._deadlines.pop(rid, None)
         self._remote_tokens.pop(rid, None)
         if rid in self._held:  # D: the worker frees once no WRITE can land
             self._meta.released.append(rid)
             return True, None
-        if not params.get("do_remote_decode"):
+        if not isinstance(params, PrefillLeg):
             return False, None
-        transfer_id = transfer_id_of(params) or None
+        transfer_id = params.tid or None
         if request.status.finished_normally:
             n = self.num_blocks(request.num_prompt_tokens)
             self._meta.finished_blocks.append(

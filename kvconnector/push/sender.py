@@ -28,7 +28,10 @@ Guarantees:
 
 from __future__ import annotations
 
+import enum
+import itertools
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,11 +48,12 @@ MAX_REGS = 16384
 MAX_OUTBOX = 4096
 
 
-@dataclass
-class Staged:
-    blocks: FinishedBlocks
-    lease_deadline: float
-    matched: bool = False
+class SendState(enum.Enum):
+    """Where one P request's staged blocks stand (docs/design.md §6 draws the machine)."""
+
+    STAGED = "staged"  # under lease, no registration matched yet
+    MATCHED = "matched"  # paired with registration `d_id`; the WRITE waits for D's handshake
+    WRITING = "writing"  # the WRITE is posted (`write`), not over yet
 
 
 @dataclass
@@ -71,6 +75,18 @@ class Inflight:
     started: float
     nbytes: int
     ack_cancel: bool = False
+
+
+@dataclass
+class Staged:
+    """One P request whose blocks are under lease; it ends (`done`) when they may be freed."""
+
+    blocks: FinishedBlocks
+    lease_deadline: float
+    state: SendState = SendState.STAGED
+    d_id: str = ""  # MATCHED: the registration it pairs with
+    match_seq: int = 0  # MATCHED: WRITEs are posted in match order
+    write: Inflight | None = None  # WRITING
 
 
 @dataclass
@@ -101,19 +117,52 @@ class Sender:
         self.bytes_per_block = bytes_per_block
         self.num_blocks = num_blocks  # P's cache: no registration can name more
         self.stats = stats
+        # The P requests, each in one SendState; `ready` and `inflight` are views of it.
         self.staged: dict[str, Staged] = {}  # P request id -> blocks under lease
-        self.regs: dict[str, PendingReg] = {}  # D request id -> registration
-        self.ready: list[tuple[str, str]] = []  # (P id, D id) matched, waiting for D's peer
-        self.inflight: dict[str, Inflight] = {}  # P request id -> WRITE
-        self.tombstones: dict[str, float] = {}  # _tomb_key of a transfer P gave up on -> expiry
+        self._count: Counter[SendState] = Counter()  # staged requests per state (an index)
+        self._seq = itertools.count(1)
+        # D's registrations P holds, by D request id, until a WRITE takes one (or it fails):
+        # the other side of a match, which may arrive first.
+        self.regs: dict[str, PendingReg] = {}
+        # Transfers P gave up on (by _tomb_key; they outlive the request) -> expiry.
+        self.tombstones: dict[str, float] = {}
         self.outbox = Outbox(transport, peers, MAX_OUTBOX,  # notifs waiting for D's peer
                              lambda n: self.stats.add("kv_notifs_dropped_total", n))
-        self.done: set[str] = set()  # P ids whose blocks may be freed
+        self.done: set[str] = set()  # output: P ids whose blocks may be freed
         self.refused = 0  # notifications refused: not from the agent the transfer belongs to
+
+    # --- the state table ----------------------------------------------------------
+    def _move(self, p_id: str, state: SendState) -> Staged:
+        s = self.staged[p_id]
+        self._count[s.state] -= 1
+        self._count[state] += 1
+        s.state = state
+        return s
+
+    def _in(self, state: SendState) -> dict[str, Staged]:
+        if not self._count[state]:
+            return {}
+        return {p: s for p, s in self.staged.items() if s.state is state}
+
+    @property
+    def ready(self) -> list[tuple[str, str]]:
+        """(P id, D id) matched, the WRITE waiting for D's peer, in match order."""
+        matched = sorted(self._in(SendState.MATCHED).items(), key=lambda x: x[1].match_seq)
+        return [(p, s.d_id) for p, s in matched]
+
+    @property
+    def inflight(self) -> dict[str, Inflight]:
+        """P request id -> its posted WRITE."""
+        return {p: s.write for p, s in self._in(SendState.WRITING).items()
+                if s.write is not None}
 
     # --- events -------------------------------------------------------------------
     def on_finished_blocks(self, fb: FinishedBlocks) -> None:
+        old = self.staged.pop(fb.request_id, None)
+        if old is not None:
+            self._count[old.state] -= 1
         self.staged[fb.request_id] = Staged(fb, self.clock() + self.lease)
+        self._count[SendState.STAGED] += 1
         candidates = self._regs_for(fb)
         for rid in candidates:
             if _digest_ok(fb, self.regs[rid].reg):
@@ -197,10 +246,9 @@ class Sender:
         if held is not None and not self._owner(held, agent, "PUSH_CANCEL"):
             return
         pending = self.regs.pop(d_request_id, None)
-        self.ready = [(p, d) for p, d in self.ready if d != d_request_id]
-        for staged in self.staged.values():
-            if staged.matched and pending and _rank(staged.blocks, pending.reg) is not None:
-                staged.matched = False
+        for p_id, staged in self._in(SendState.MATCHED).items():
+            if staged.d_id == d_request_id:
+                self._move(p_id, SendState.STAGED)  # may pair with another registration
         self._tombstone(transfer_id, d_request_id)
         ack = wire.encode_push_cancel_ack(d_request_id, transfer_id)
         if pending is not None:
@@ -224,7 +272,7 @@ class Sender:
 
     def needs_poll(self) -> bool:
         """Self-poll while blocks wait unmatched, WRITEs are in flight or notifs queue."""
-        return bool(self.staged or self.inflight or self.outbox)
+        return bool(self.staged or self.outbox)  # WRITEs in flight are staged too
 
     # --- internals ----------------------------------------------------------------
     def _over_capacity(self, reg: Any, agent: str) -> str | None:
@@ -260,15 +308,15 @@ class Sender:
 
     def _regs_for(self, fb: FinishedBlocks) -> list[str]:
         """Unmatched registrations naming fb's transfer, best first (see `_rank`)."""
-        taken = {d for _, d in self.ready}
+        taken = {s.d_id for s in self._in(SendState.MATCHED).values()}
         ranked = [(r, rid) for rid, p in self.regs.items()
                   if rid not in taken and (r := _rank(fb, p.reg)) is not None]
         return [rid for _, rid in sorted(ranked, key=lambda x: x[0])]
 
     def _staged_for(self, reg: Any) -> list[str]:
         """Unmatched staged P requests naming reg's transfer, best first."""
-        ranked = [(r, pid) for pid, s in self.staged.items()
-                  if not s.matched and (r := _rank(s.blocks, reg)) is not None]
+        ranked = [(r, pid) for pid, s in self._in(SendState.STAGED).items()
+                  if (r := _rank(s.blocks, reg)) is not None]
         return [pid for _, pid in sorted(ranked, key=lambda x: x[0])]
 
     def _digest_mismatch(self, p_id: str, d_id: str) -> None:
@@ -288,27 +336,28 @@ class Sender:
             self._release(p_id, failed=True)
 
     def _match(self, p_id: str, d_id: str) -> None:
-        self.staged[p_id].matched = True
-        self.ready.append((p_id, d_id))
+        """STAGED → MATCHED with registration `d_id`."""
+        staged = self._move(p_id, SendState.MATCHED)
+        staged.d_id, staged.match_seq = d_id, next(self._seq)
 
     def _post_ready(self, now: float) -> None:
-        waiting = []
         for p_id, d_id in self.ready:
+            staged = self.staged[p_id]
             pending = self.regs.get(d_id)
-            staged = self.staged.get(p_id)
-            if pending is None or staged is None:
+            if pending is None:  # the registration ended (its ttl): P's blocks wait on
+                self._move(p_id, SendState.STAGED)
                 continue
             peer = self.peers.get(pending.addr)
             if peer.status == "pending":
-                waiting.append((p_id, d_id))
+                continue
             elif not self._owner(pending, peer.agent_name, "WRITE to the address's agent"):
                 # The agent D's address serves is not the one that registered: never write.
                 del self.regs[d_id]
+                self._move(p_id, SendState.STAGED)
                 other = next((r for r in self._regs_for(staged.blocks)  # the rightful one
                               if _digest_ok(staged.blocks, self.regs[r].reg)), None)
-                staged.matched = other is not None
                 if other is not None:
-                    waiting.append((p_id, other))
+                    self._match(p_id, other)
             elif peer.status == "failed":
                 # D is unreachable, so it cannot be told either: its watchdog decides.
                 del self.regs[d_id]
@@ -316,7 +365,6 @@ class Sender:
             else:
                 del self.regs[d_id]
                 self._post(p_id, pending, peer.agent_name, now)
-        self.ready = waiting
 
     def _post(self, p_id: str, pending: PendingReg, agent: str, now: float) -> None:
         """Post the WRITE, or refuse: every path either records an in-flight WRITE or sends
@@ -347,15 +395,14 @@ class Sender:
         notif = wire.encode_completion(reg.request_id, self.tp_size)
         handle = self.t.write(agent, p_ids, d_ids, notif)
         nbytes = len(d_ids) * self.bytes_per_block
-        self.inflight[p_id] = Inflight(p_id, pending, handle, now, nbytes)
+        self._move(p_id, SendState.WRITING).write = Inflight(p_id, pending, handle, now, nbytes)
         return None
 
     def _check_inflight(self, now: float) -> None:
-        for p_id, w in list(self.inflight.items()):
+        for p_id, w in self.inflight.items():
             state = self.t.check(w.handle)
             if state == "PROC":
                 continue
-            del self.inflight[p_id]
             self.t.release(w.handle)
             reg = w.reg.reg
             if state == "DONE":
@@ -374,8 +421,7 @@ class Sender:
 
     def _expire(self, now: float) -> None:
         for p_id, staged in list(self.staged.items()):
-            if now >= staged.lease_deadline and p_id not in self.inflight:
-                self.ready = [(p, d) for p, d in self.ready if p != p_id]
+            if now >= staged.lease_deadline and staged.state is not SendState.WRITING:
                 self.stats.add("kv_lease_expired_total")
                 logger.warning("lease of %s expired after %.1fs unclaimed", p_id, self.lease)
                 self._tombstone(staged.blocks.transfer_id, p_id)
@@ -389,7 +435,10 @@ class Sender:
                 del self.tombstones[key]
 
     def _release(self, p_id: str, failed: bool) -> None:
-        if self.staged.pop(p_id, None) is not None:
+        """The P request ends: its blocks may be freed (whatever its state)."""
+        staged = self.staged.pop(p_id, None)
+        if staged is not None:
+            self._count[staged.state] -= 1
             self.done.add(p_id)
 
     def _tombstone(self, transfer_id: str | None, request_id: str) -> None:
@@ -411,7 +460,8 @@ class Sender:
 
     def table_sizes(self) -> dict[str, int]:
         return {"p_staged": len(self.staged), "p_regs": len(self.regs),
-                "p_inflight": len(self.inflight), "p_ready": len(self.ready),
+                "p_inflight": self._count[SendState.WRITING],
+                "p_ready": self._count[SendState.MATCHED],
                 "p_outbox": len(self.outbox)}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -57,21 +58,30 @@ def _assert_no_leak(llm: LLM) -> None:
     assert stats["num_unfinished_requests"] == 0, stats
 
 
+@functools.cache
+def _hf_refs(model: str, vocab: int, special: frozenset[int]) -> tuple[list, list]:
+    """Transformers' answers for the plain and the shared-prefix prompts (made once per model,
+    shared by the TP=1 and TP=2 runs)."""
+    return (hf_greedy(model, _prompts(vocab, set(special)), MAX_TOKENS),
+            hf_greedy(model, _shared_prefix_prompts(vocab, set(special)), MAX_TOKENS))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_greedy_matches_transformers_batched_chunked_and_prefix_cached(
-    tiny_models: dict[str, str], arch: str
+    tiny_models: dict[str, str], arch: str, tp: int
 ) -> None:
+    """At tp=2 the model runs sharded in two worker processes (gloo all-reduce)."""
     model = tiny_models[arch]
-    llm = LLM(model, num_kv_blocks=512, multiprocess=False)
+    llm = LLM(model, num_kv_blocks=512, multiprocess=False, tensor_parallel_size=tp)
     tok = llm.get_tokenizer()
     prompts = _prompts(tok.vocab_size, set(tok.all_special_ids))
-    ref = hf_greedy(model, prompts, MAX_TOKENS)
+    ref, shared_ref = _hf_refs(model, tok.vocab_size, frozenset(tok.all_special_ids))
     assert any(len(r) == MAX_TOKENS for r in ref)
     _assert_same(_ours(llm, prompts), ref)
     _assert_no_leak(llm)
 
     shared = _shared_prefix_prompts(tok.vocab_size, set(tok.all_special_ids))
-    shared_ref = hf_greedy(model, shared, MAX_TOKENS)
     _assert_same(_ours(llm, shared), shared_ref)  # later prompts hit earlier ones' blocks
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     again = llm.generate([{"prompt_token_ids": p} for p in shared], params, use_tqdm=False)
@@ -82,7 +92,7 @@ def test_greedy_matches_transformers_batched_chunked_and_prefix_cached(
 
     # A small token budget forces chunked prefill mixed with decodes.
     chunked = LLM(model, num_kv_blocks=512, max_num_batched_tokens=48, max_num_seqs=8,
-                  multiprocess=False)
+                  multiprocess=False, tensor_parallel_size=tp)
     _assert_same(_ours(chunked, prompts), ref)
     _assert_no_leak(chunked)
     chunked.shutdown()

@@ -469,7 +469,7 @@ def test_bench_transfer_reports_design_keys_and_moves_the_right_bytes(tmp_path) 
 
 
 def test_fault_injection_config_is_strict() -> None:
-    from kvconnector.nixl import FaultInjection
+    from kvconnector.faults import FaultInjection
 
     with pytest.raises(ValueError, match="unknown key"):
         FaultInjection.from_dict({"fail_writes": True})

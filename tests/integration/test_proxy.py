@@ -518,6 +518,8 @@ def test_unreadable_kv_info_moves_to_another_prefill(cluster: Cluster) -> None:
     proxy = cluster.proxy([p1, p2], [d], health_interval=60)
     for _ in range(2):
         assert post(proxy, BODY).status_code == 200
+    # push sends both legs at once: D's answer may come back before P's second leg lands
+    wait_until(lambda: len(p2.legs) == 2, what="both prefill legs on p2")
     assert not p1.legs and len(p2.legs) == 2
     assert {leg.body["kv_transfer_params"]["remote_engine_id"] for leg in d.legs} == {
         "engine-p2"}

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import socket
-import threading
 import time
 
 import httpx
@@ -20,6 +19,7 @@ import openai
 import psutil
 import pytest
 from pd_harness import wait_until
+from server_streams import Stream
 
 from engine.server.launcher import ServerProcess, launch_server
 
@@ -470,58 +470,15 @@ def _engine_core(server: ServerProcess) -> psutil.Process:
     return procs[0]
 
 
-class _Stream(threading.Thread):
-    """One streaming request on its own thread; records what came and when it ended."""
-
-    def __init__(self, url: str, max_tokens: int, stream: bool = True) -> None:
-        super().__init__(daemon=True, name=f"stream-{max_tokens}")
-        self.url, self.max_tokens, self.stream = url, max_tokens, stream
-        self.events: list[str] = []
-        self.first = threading.Event()
-        self.ended_at: float | None = None
-        self.error: BaseException | None = None
-        self.status: int | None = None
-
-    def run(self) -> None:
-        body = {"model": MODEL, "prompt": "tell me", "max_tokens": self.max_tokens,
-                "stream": self.stream, "ignore_eos": True}
-        if self.stream:
-            body["stream_options"] = {"include_usage": True}
-        try:
-            if not self.stream:
-                self.first.set()
-                r = httpx.post(self.url + "/v1/completions", json=body, timeout=120)
-                self.status, self.events = r.status_code, [r.text]
-                return
-            with httpx.stream("POST", self.url + "/v1/completions", json=body,
-                              timeout=120) as r:
-                self.status = r.status_code
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        self.events.append(line[6:])
-                        self.first.set()
-        except BaseException as exc:  # noqa: BLE001 - inspected by the test
-            self.error = exc
-        finally:
-            self.ended_at = time.monotonic()
-            self.first.set()
-
-    def usage_tokens(self) -> int | None:
-        for e in reversed(self.events):
-            if e != "[DONE]" and json.loads(e).get("usage"):
-                return json.loads(e)["usage"]["completion_tokens"]
-        return None
-
-
 def test_engine_death_fails_open_requests_fast(servers):
     server = servers["death"]
     longest = MAX_MODEL_LEN - 16
-    streams = [_Stream(server.url, longest) for _ in range(3)]
+    streams = [Stream(server.url, longest) for _ in range(3)]
     for s in streams:
         s.start()
     for s in streams:
         assert s.first.wait(120) and s.status == 200 and s.events
-    waiting = _Stream(server.url, longest, stream=False)  # a non-streaming one in flight too
+    waiting = Stream(server.url, longest, stream=False)  # a non-streaming one in flight too
     waiting.start()
     wait_until(lambda: _metric(httpx.get(server.url + "/metrics", headers=AUTH, timeout=5).text,
                                "pdserve:num_requests_running") >= 4, 30,
@@ -550,8 +507,8 @@ def test_sigterm_drains_in_flight_requests_then_exits(servers):
     server = servers["drain"]
     descendants = server.descendants()
     assert descendants
-    short = [_Stream(server.url, 8) for _ in range(3)]
-    endless = _Stream(server.url, 4000)  # cannot finish in time: aborted at the deadline
+    short = [Stream(server.url, 8) for _ in range(3)]
+    endless = Stream(server.url, 4000)  # cannot finish in time: aborted at the deadline
     for s in [*short, endless]:
         s.start()
     for s in [*short, endless]:

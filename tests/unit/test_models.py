@@ -3,6 +3,7 @@ and make-tiny-model determinism."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -16,6 +17,13 @@ from safetensors.torch import save_file
 
 from engine.models import ModelArch, load_arch, load_model
 from engine.models.arch import RopeConfig
+from engine.models.parallel import (
+    Collectives,
+    TPLayout,
+    check_tp,
+    gather_logits,
+    vocab_parallel_embedding,
+)
 from engine.models.rope import inv_frequencies
 from engine.models.tiny import make_tiny_model
 from engine.models.tokenizer import Tokenizer
@@ -294,37 +302,86 @@ def test_half_precision_loads_and_tracks_float32(tiny_models, dtype):
         load_model(path, dtype="float64")
 
 
-def test_tensor_parallel_ranks_sum_to_the_unsharded_model(tiny_models):
-    """Two ranks in two threads with an in-process all-reduce equal the tp=1 model."""
-    path = tiny_models["qwen2"]
-    seqs = [Tokenizer.from_dir(path).encode(p) for p in PROMPTS[:2]]
-    want = torch.cat(our_logits(load_model(path), seqs))
-    barrier, slots = threading.Barrier(2), [None, None]
+class _ThreadCollectives:
+    """all_reduce / all_gather between `size` threads, one per rank (the workers use gloo)."""
 
-    def make_all_reduce(rank: int):
-        def all_reduce(t: torch.Tensor) -> torch.Tensor:
-            slots[rank] = t
-            barrier.wait()
-            total = slots[0] + slots[1]
-            barrier.wait()
-            return total
+    def __init__(self, size: int) -> None:
+        self.size, self.barrier, self.slots = size, threading.Barrier(size), [None] * size
 
-        return all_reduce
+    def _exchange(self, rank: int, t: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[rank] = t
+        self.barrier.wait()
+        parts = list(self.slots)
+        self.barrier.wait()
+        return parts
 
-    results: list = [None, None]
+    def for_rank(self, rank: int) -> Collectives:
+        return Collectives(
+            all_reduce=lambda t: sum(self._exchange(rank, t)),
+            all_gather=lambda t: torch.cat(self._exchange(rank, t), dim=-1))
+
+
+def _run_ranks(size: int, fn) -> list:
+    comms, results = _ThreadCollectives(size), [None] * size
 
     def run(rank: int) -> None:
-        model = load_model(path, tp_rank=rank, tp_size=2, all_reduce=make_all_reduce(rank))
-        assert model.num_heads == model.arch.num_heads // 2
-        results[rank] = torch.cat(our_logits(model, seqs))
+        results[rank] = fn(rank, comms.for_rank(rank))
 
-    threads = [threading.Thread(target=run, args=(r,), name=f"tp-rank-{r}") for r in (0, 1)]
+    threads = [threading.Thread(target=run, args=(r,), name=f"tp-rank-{r}") for r in range(size)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
-    for got in results:
+    return results
+
+
+@pytest.mark.parametrize(("arch", "tp"), [("qwen2", 2), ("qwen3", 2), ("llama", 4)])
+def test_tensor_parallel_ranks_equal_the_unsharded_model(tiny_models, arch, tp):
+    """Ranks in threads with in-process collectives equal the tp=1 model; at tp=4 the tiny
+    model's 2 KV heads are replicated (each on 2 ranks)."""
+    path = tiny_models[arch]
+    seqs = [Tokenizer.from_dir(path).encode(p) for p in PROMPTS[:2]]
+    want = torch.cat(our_logits(load_model(path), seqs))
+
+    def run(rank: int, comm: Collectives) -> torch.Tensor:
+        model = load_model(path, tp_rank=rank, tp_size=tp, comm=comm)
+        assert model.num_heads == model.arch.num_heads // tp
+        assert model.num_kv_heads == max(1, model.arch.num_kv_heads // tp)
+        return torch.cat(our_logits(model, seqs))
+
+    for got in _run_ranks(tp, run):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_vocab_parallel_embedding_and_logits_pad_an_uneven_vocabulary(tiny_models):
+    arch = dataclasses.replace(load_arch(tiny_models["llama"]), vocab_size=7)
+    table = torch.randn(7, 3)
+    ids = torch.tensor([0, 6, 3, 4, 2])
+
+    def run(rank: int, comm: Collectives) -> tuple[torch.Tensor, torch.Tensor]:
+        lay = TPLayout.of(arch, rank, 2)
+        assert lay.vocab_rows == 4 and lay.vocab_start == 4 * rank
+        shard = torch.zeros(4, 3)
+        shard[:lay.vocab_end - lay.vocab_start] = table[lay.vocab_start:lay.vocab_end]
+        emb = vocab_parallel_embedding(ids, shard, lay, comm)
+        return emb, gather_logits(emb @ shard.T, lay, comm)
+
+    for emb, logits in _run_ranks(2, run):
+        torch.testing.assert_close(emb, table[ids])
+        torch.testing.assert_close(logits, table[ids] @ table.T)
+
+
+def test_heads_that_do_not_divide_by_tp_are_a_clear_error(tiny_models):
+    arch = load_arch(tiny_models["llama"])  # 4 heads, 2 KV heads
+    with pytest.raises(ValueError, match="num_heads=4 is not divisible by tensor_parallel_size=3"):
+        check_tp(arch, 3)
+    with pytest.raises(ValueError, match="num_kv_heads=3"):
+        check_tp(dataclasses.replace(arch, num_kv_heads=3, num_heads=6), 2)
+    check_tp(arch, 4)  # KV heads replicate
+    from engine import LLM
+
+    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+        LLM(tiny_models["llama"], tensor_parallel_size=3, multiprocess=False)
 
 
 # -- tokenizer ------------------------------------------------------------------------------

@@ -1,0 +1,211 @@
+"""MultiprocExecutor: EngineCore's handle on its N tensor-parallel worker processes.
+
+Layout (seed 002; docs/design.md §8): one broadcast ring (this process writes, every worker
+reads) carries each RPC — above all each step's SchedulerOutput; each worker answers on its
+own response ring (it writes, we read). `execute_model` asks only rank 0 to answer
+(unique_reply_rank): every rank computes the same tokens. Setup calls (`describe`) go to
+every rank (collective RPC).
+
+Failure: a monitor thread ("TPWorkerMonitor") waits on the worker process sentinels. When a
+worker exits outside shutdown it records why and calls `on_failure` (EngineCoreLoop.fail:
+the busy loop raises at once, even when idle, and its owner reports the engine dead —
+ENGINE_CORE_DEAD from a core process); a step blocked on a response ring wakes on the same
+sentinels and raises WorkerDied. Nothing waits without a sentinel.
+
+Thread ownership: every method but `failure` / the monitor runs on the engine-core thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.executor import messages as m
+from engine.executor.shm_broadcast import RingGone, ShmReader, ShmWriter
+from engine.executor.worker_proc import worker_main
+from engine.models import load_arch
+from engine.models.parallel import check_tp
+from engine.server.launcher import free_port
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 300.0
+_SHUTDOWN_JOIN_S = 5.0
+
+
+class WorkerDied(RuntimeError):
+    """A tensor-parallel worker process exited while the engine needed it."""
+
+
+@contextlib.contextmanager
+def _may_have_children():
+    # The EngineCore process is started daemonic (it dies with its frontend), and
+    # multiprocessing refuses children of a daemon. Our workers are reaped by `shutdown` and
+    # exit on their own when this process is gone (their parent watch), which is what that
+    # rule protects, so lift it while starting them.
+    config = multiprocessing.current_process()._config  # noqa: SLF001
+    daemon = config.pop("daemon", None)
+    try:
+        yield
+    finally:
+        if daemon is not None:
+            config["daemon"] = daemon
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig,
+                 on_failure: Callable[[str], None] | None = None) -> None:
+        self.tp_size = config.tensor_parallel_size
+        check_tp(load_arch(config.model), self.tp_size)  # a clear error before any spawn
+        self.on_failure = on_failure
+        self.failure: str | None = None
+        self._closing = False
+        ctx = multiprocessing.get_context("spawn")
+        bells = [ctx.Pipe(duplex=False) for _ in range(self.tp_size)]
+        self.broadcast = ShmWriter(self.tp_size, [send for _, send in bells])
+        threads = max(1, torch.get_num_threads() // self.tp_size)
+        port = free_port()
+        handle = m.encode(self.broadcast.handle)
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        ready_pipes, response_bells = [], []
+        with _may_have_children():
+            for rank in range(self.tp_size):
+                ready_recv, ready_send = ctx.Pipe(duplex=False)
+                resp_recv, resp_send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=worker_main, name=f"TPWorker_{rank}", daemon=False,
+                    args=(_config_dict(config), rank, self.tp_size, port, threads, handle,
+                          bells[rank][0], resp_send, ready_send, logging.getLogger().level))
+                proc.start()
+                ready_send.close()
+                self.procs.append(proc)
+                ready_pipes.append(ready_recv)
+                response_bells.append(resp_recv)
+        try:
+            self.responses = [ShmReader(r.response_handle, 0, response_bells[r.rank])
+                              for r in self._wait_ready(ready_pipes)]
+            self.infos: list[m.WorkerInfo] = self.collective_rpc("describe")
+        except BaseException:
+            self.shutdown()
+            raise
+        self.worker_pids = [i.pid for i in self.infos]
+        self._monitor = threading.Thread(target=self._watch_workers, name="TPWorkerMonitor",
+                                         daemon=True)
+        self._monitor.start()
+        logger.info("tensor parallel: %d workers ready (pids %s, %d torch thread(s) each)",
+                    self.tp_size, self.worker_pids, threads)
+
+    def _wait_ready(self, pipes: list) -> list[m.WorkerReady]:
+        """Every worker's WorkerReady, in rank order; raises on a failure, death or timeout."""
+        got: dict[int, m.WorkerReady] = {}
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
+        pending = {pipe: rank for rank, pipe in enumerate(pipes)}
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"tensor-parallel workers {sorted(pending.values())} not "
+                                   f"ready within {STARTUP_TIMEOUT_S:.0f}s")
+            for obj in wait([*pending, *sentinels], timeout=left):
+                if obj in pending:
+                    try:
+                        msg = m.decode_startup(obj.recv_bytes())
+                    except EOFError:
+                        continue  # closed without a message: its sentinel says why
+                    if isinstance(msg, m.WorkerFailed):
+                        raise RuntimeError(f"tensor-parallel worker {msg.rank} failed to "
+                                           f"start: {msg.error}")
+                    got[msg.rank] = msg
+                    del pending[obj]
+                elif sentinels[obj] in pending.values():
+                    rank = sentinels[obj]
+                    raise RuntimeError(f"tensor-parallel worker {rank} exited during startup "
+                                       f"(exit code {self.procs[rank].exitcode})")
+        return [got[r] for r in range(self.tp_size)]
+
+    # -- RPC (engine-core thread) --------------------------------------------------------
+    def collective_rpc(self, method: str, arg: Any = None,
+                       unique_reply_rank: int | None = None) -> Any:
+        """Run `method(arg)` on every worker. Returns the list of results in rank order, or
+        only rank `unique_reply_rank`'s result (the others do not answer)."""
+        if self.failure is not None:
+            raise WorkerDied(self.failure)
+        reply_rank = m.ALL_RANKS if unique_reply_rank is None else unique_reply_rank
+        sentinels = [p.sentinel for p in self.procs]
+        try:
+            self.broadcast.put(m.encode_call(method, arg, reply_rank), sentinels)
+            ranks = range(self.tp_size) if unique_reply_rank is None else [unique_reply_rank]
+            results = [self._reply(method, r, sentinels) for r in ranks]
+        except RingGone as e:
+            self.failure = self.failure or self._describe_death() or str(e)
+            raise WorkerDied(self.failure) from None
+        return results if unique_reply_rank is None else results[0]
+
+    def _reply(self, method: str, rank: int, sentinels: list) -> Any:
+        result = m.decode_reply(method, self.responses[rank].get(sentinels))
+        if isinstance(result, m.RpcReply):
+            raise RuntimeError(f"tensor-parallel worker {rank}: {method} failed: "
+                               f"{result.error}")
+        return result
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        return self.collective_rpc("execute_model", scheduler_output, unique_reply_rank=0)
+
+    @property
+    def num_requests(self) -> int:
+        return self.collective_rpc("num_requests", unique_reply_rank=0)
+
+    # -- failure detection (monitor thread) -----------------------------------------------
+    def _describe_death(self) -> str | None:
+        for rank, p in enumerate(self.procs):
+            if p.exitcode is not None:
+                return (f"tensor-parallel worker {rank} (pid {p.pid}) died "
+                        f"(exit code {p.exitcode})")
+        return None
+
+    def _watch_workers(self) -> None:
+        wait([p.sentinel for p in self.procs])
+        if self._closing:
+            return
+        self.failure = self._describe_death() or "a tensor-parallel worker died"
+        logger.error("%s; failing the engine", self.failure)
+        if self.on_failure is not None:
+            self.on_failure(self.failure)
+
+    # -- shutdown (engine-core thread) ----------------------------------------------------
+    def shutdown(self) -> None:
+        """Ask every worker to stop, then make sure: terminate, kill. Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        if self.failure is None and all(p.is_alive() for p in self.procs):
+            with contextlib.suppress(Exception):
+                self.broadcast.put(m.encode_call("shutdown", None, m.ALL_RANKS),
+                                   [p.sentinel for p in self.procs])
+        # After a death the survivors may sit in an all-reduce that never completes: no wait.
+        wait_s = 0.0 if self.failure is not None else _SHUTDOWN_JOIN_S
+        deadline = time.monotonic() + wait_s
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=_SHUTDOWN_JOIN_S)
+        for r in getattr(self, "responses", []):
+            r.close(unlink=True)  # a killed worker cannot; after a clean exit it is a no-op
+        self.broadcast.close()
+
+
+def _config_dict(config: EngineConfig) -> dict[str, Any]:
+    from engine.core.engine_core_proc import config_to_dict
+
+    return config_to_dict(config)

@@ -1,0 +1,157 @@
+"""One tensor-parallel worker process: rank `rank` of `tp_size` (docs/design.md §8).
+
+Startup (seed order): join the torch.distributed process group (gloo on CPU, nccl on CUDA;
+explicit 127.0.0.1 rendezvous), build this rank's model shard and KV memory, create the
+response ring, then report `WorkerReady` (with the ring's handle) over the ready pipe — or
+`WorkerFailed` with the error. Then the busy loop: read one RPC from the broadcast ring, run
+it, answer on the response ring when this rank is the one asked (or all are).
+
+Threads: the main thread runs the loop and owns the runner; "WorkerParentWatch_<rank>" exits
+the process when the EngineCore process is gone (a rank can be blocked in an all-reduce
+whose peer died, so the loop alone cannot notice).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.executor import messages as m
+from engine.executor.shm_broadcast import RingGone, RingHandle, ShmReader, ShmWriter
+from engine.models.parallel import Collectives
+
+logger = logging.getLogger(__name__)
+
+EXIT_PARENT_DIED = 3
+_RESPONSE_SLOTS = 4
+
+
+class Worker:
+    """The RPC surface of one rank: every method named in messages.RPC_TYPES."""
+
+    def __init__(self, config: EngineConfig, rank: int, tp_size: int) -> None:
+        from engine.worker.model_runner import ModelRunner
+
+        self.rank = rank
+        self.runner = ModelRunner(config, tp_rank=rank, tp_size=tp_size,
+                                  comm=Collectives(all_reduce, all_gather))
+
+    def execute_model(self, so: Any) -> Any:
+        return self.runner.execute_model(so)
+
+    def describe(self, _: None) -> m.WorkerInfo:
+        r = self.runner
+        return m.WorkerInfo(rank=self.rank, pid=os.getpid(), num_kv_blocks=r.num_kv_blocks,
+                            max_model_len=r.max_model_len, num_heads=r.model.num_heads,
+                            num_kv_heads=r.model.num_kv_heads,
+                            torch_threads=torch.get_num_threads())
+
+    def num_requests(self, _: None) -> int:
+        return self.runner.num_requests
+
+    def shutdown(self, _: None) -> None:
+        return None
+
+
+def all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the TP group, in place (gloo on CPU, nccl on CUDA)."""
+    dist.all_reduce(t)
+    return t
+
+
+def all_gather(t: torch.Tensor) -> torch.Tensor:
+    """[N, k] on each rank -> [N, T*k], ranks side by side."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t)
+    return torch.cat(parts, dim=-1)
+
+
+def _watch_parent() -> None:
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    wait([parent.sentinel])
+    os._exit(EXIT_PARENT_DIED)
+
+
+def worker_main(config: dict[str, Any], rank: int, tp_size: int, dist_port: int,
+                threads: int, broadcast: bytes, broadcast_bell: Connection,
+                response_bell: Connection, ready: Connection,
+                log_level: int = logging.INFO) -> None:
+    """Entry point of the spawned worker. Never returns."""
+    logging.basicConfig(level=log_level, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s [TPWorker_{rank} pid=%(process)d] "
+                               "%(name)s: %(message)s")
+    threading.current_thread().name = f"TPWorker_{rank}"
+    # Ctrl-C reaches the whole process group: the EngineCore drains, and its workers must
+    # keep serving until it says `shutdown` (or is gone), so they ignore SIGINT / SIGTERM.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, name=f"WorkerParentWatch_{rank}",
+                     daemon=True).start()
+    torch.set_num_threads(threads)
+    torch.manual_seed(config["seed"])  # every rank samples the same tokens
+    response: ShmWriter | None = None
+    try:
+        cfg = EngineConfig(**config)
+        backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{dist_port}",
+                                rank=rank, world_size=tp_size)
+        worker = Worker(cfg, rank, tp_size)
+        reader = ShmReader(msgspec.msgpack.decode(broadcast, type=RingHandle), rank,
+                           broadcast_bell)
+        response = ShmWriter(1, [response_bell], num_slots=_RESPONSE_SLOTS)
+    except Exception as e:
+        logger.exception("worker %d failed to start", rank)
+        ready.send_bytes(m.encode(m.WorkerFailed(rank, f"{type(e).__name__}: {e}")))
+        os._exit(1)
+    ready.send_bytes(m.encode(m.WorkerReady(rank, os.getpid(), response.handle)))
+    ready.close()
+    parent = multiprocessing.parent_process()
+    sentinels = [parent.sentinel] if parent is not None else []
+    code = 0
+    try:
+        _busy_loop(worker, reader, response, sentinels)
+    except RingGone:
+        code = EXIT_PARENT_DIED
+    except Exception:
+        logger.exception("worker %d: fatal error; exiting", rank)
+        code = 1
+    finally:
+        response.close()
+        reader.close()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _busy_loop(worker: Worker, reader: ShmReader, response: ShmWriter,
+               sentinels: list) -> None:
+    """Runs RPCs until `shutdown`. A failing RPC is fatal for the worker: the other ranks may
+    be waiting for it in an all-reduce, so it answers the error (when asked) and exits; its
+    exit is what the executor's monitor turns into ENGINE_CORE_DEAD."""
+    while True:
+        call, arg = m.decode_call(reader.get(sentinels))
+        try:
+            result = getattr(worker, call.method)(arg)
+        except Exception as e:
+            if call.reply_rank in (m.ALL_RANKS, worker.rank):
+                response.put(m.encode_reply(worker.rank, call.method,
+                                            error=f"{type(e).__name__}: {e}"), sentinels)
+            raise
+        if call.reply_rank in (m.ALL_RANKS, worker.rank):
+            response.put(m.encode_reply(worker.rank, call.method, result), sentinels)
+        if call.method == "shutdown":
+            return

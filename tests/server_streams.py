@@ -1,0 +1,54 @@
+"""A completion request on its own thread, recording what came and when it ended: the
+lifecycle tests (engine death, drain, worker death) start several and check how they end."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+
+
+class Stream(threading.Thread):
+    """One streaming request on its own thread; records what came and when it ended."""
+
+    def __init__(self, url: str, max_tokens: int, stream: bool = True,
+                 model: str = "tiny") -> None:
+        super().__init__(daemon=True, name=f"stream-{max_tokens}")
+        self.url, self.max_tokens, self.stream, self.model = url, max_tokens, stream, model
+        self.events: list[str] = []
+        self.first = threading.Event()
+        self.ended_at: float | None = None
+        self.error: BaseException | None = None
+        self.status: int | None = None
+
+    def run(self) -> None:
+        body = {"model": self.model, "prompt": "tell me", "max_tokens": self.max_tokens,
+                "stream": self.stream, "ignore_eos": True}
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        try:
+            if not self.stream:
+                self.first.set()
+                r = httpx.post(self.url + "/v1/completions", json=body, timeout=120)
+                self.status, self.events = r.status_code, [r.text]
+                return
+            with httpx.stream("POST", self.url + "/v1/completions", json=body,
+                              timeout=120) as r:
+                self.status = r.status_code
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line[6:])
+                        self.first.set()
+        except BaseException as exc:  # noqa: BLE001 - inspected by the test
+            self.error = exc
+        finally:
+            self.ended_at = time.monotonic()
+            self.first.set()
+
+    def usage_tokens(self) -> int | None:
+        for e in reversed(self.events):
+            if e != "[DONE]" and json.loads(e).get("usage"):
+                return json.loads(e)["usage"]["completion_tokens"]
+        return None
