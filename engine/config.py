@@ -104,9 +104,17 @@ class EngineConfig:
             object.__setattr__(
                 self, "kv_transfer_config", KVTransferConfig.from_json(self.kv_transfer_config)
             )
-        if self.tensor_parallel_size > 1 and self.kv_transfer_config is not None:
-            raise ValueError("P/D with tensor_parallel_size > 1 is not supported yet "
-                             "(a KV connector needs tensor_parallel_size 1)")
+        kv = self.kv_transfer_config
+        if self.tensor_parallel_size > 1 and kv is not None:
+            if kv.kv_connector != "NixlPushConnector":
+                raise ValueError(f"{kv.kv_connector} (pull mode) with tensor_parallel_size > 1 "
+                                 "is not supported yet; use NixlPushConnector (push mode)")
+            if not kv.kv_port:
+                raise ValueError("P/D with tensor_parallel_size > 1 needs an explicit kv_port "
+                                 "(rank r serves its side channel at kv_port + r)")
+            if not kv.engine_id:
+                raise ValueError("P/D with tensor_parallel_size > 1 needs an explicit engine_id "
+                                 "(every rank's NIXL agent is named <engine_id>-tp<rank>)")
 
     def resolved_max_model_len(self, max_position_embeddings: int) -> int:
         """The context limit: --max-model-len, capped by what the model's positions allow."""
