@@ -44,7 +44,7 @@ def cluster(model: str, *, num_blocks: int = 256, extra: dict[str, Any] | None =
 
     def start(module: str, engine_id: str, cfg: dict[str, Any], more: tuple[str, ...]
               ) -> ServerProcess:
-        kv_ports[engine_id] = free_port()
+        kv_ports[engine_id] = free_port(count=2)  # a TP=2 rank r listens at kv_port + r
         s = launch_server(model, *role_args(num_blocks, {**(extra or {}), **cfg},
                                             "NixlPushConnector", engine_id,
                                             kv_ports[engine_id], *more),
