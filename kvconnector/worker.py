@@ -65,6 +65,9 @@ class NixlWorker(KVConnectorWorker):
         self.hb_interval = float(kv.extra("heartbeat_interval", self.lease / 6))
         self.backends = list(kv.extra("backends", ["UCX"]))
         self.fault_injection = kv.extra("fault_injection", None)
+        fi = self.fault_injection
+        if tp_rank and isinstance(fi, dict) and fi.get("seed") is not None:
+            self.fault_injection = {**fi, "seed": fi["seed"] + tp_rank}  # each rank its draws
         self.security = KVSecurity.from_config(kv)
         self.refused_handshakes = RefusedHandshakes()
         self.compat = compat_hash(spec.model_name, spec.dtype, spec.num_layers,
