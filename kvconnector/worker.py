@@ -87,6 +87,7 @@ class NixlWorker(KVConnectorWorker):
             f"{ep.engine_id}-tp{self.tp_rank}", kv_cache, self.spec.bytes_per_block,
             backends=self.backends, fault_injection=self.fault_injection,
             engine_id=ep.engine_id, block_size=self.spec.block_size, compat_hash=self.compat,
+            tp_rank=self.tp_rank, tp_size=self.tp_size,
         )
         meta = t.local_metadata()
         self.side_channel = SideChannelServer(ep.host, ep.port, lambda: meta, self.security)
@@ -106,8 +107,9 @@ class NixlWorker(KVConnectorWorker):
     def _fetch(self, host: str, port: int) -> Any:
         """A peer's agent metadata (on a Peers executor thread)."""
         with self.refused_handshakes:
+            # same-size TP pairs rank with rank: the peer's side channel must serve ours
             return fetch_peer_metadata(host, port, self.compat, _HANDSHAKE_TIMEOUT_S,
-                                       security=self.security)
+                                       tp_rank=self.tp_rank, security=self.security)
 
     def for_rank(self, metadata: Any) -> Any:
         """This rank's view of the scheduler's metadata (a mode points it at its peer rank)."""

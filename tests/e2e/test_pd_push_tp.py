@@ -15,6 +15,8 @@ from pd_harness import assert_no_leaks, deployment, metric
 from test_pd_push import REMOTE_TOKENS, _complete_all, _detok, _prompts
 from test_pd_push import reference as reference  # noqa: F401 - the module fixture
 
+from kvconnector.handshake import HandshakeError, fetch_peer_metadata
+
 TP2 = ("--tensor-parallel-size", "2")
 
 
@@ -28,6 +30,12 @@ def test_kv_transfer_info_lists_every_rank_side_channel(pd_tp2):
     info = httpx.get(f"{pd_tp2.p.url}/kv_transfer/info", timeout=10).json()
     assert info["tp_size"] == 2
     assert info["kv_ports"] == [info["kv_port"], info["kv_port"] + 1]
+    # rank r's side channel serves rank r's own agent, and refuses a peer asking for another
+    for rank, port in enumerate(info["kv_ports"]):
+        meta = fetch_peer_metadata(info["kv_host"], port, None, tp_rank=rank)
+        assert (meta.agent_name, meta.tp_rank, meta.tp_size) == (f"P0-tp{rank}", rank, 2)
+    with pytest.raises(HandshakeError, match="serves tp_rank 1, not 0"):
+        fetch_peer_metadata(info["kv_host"], info["kv_ports"][1], None, tp_rank=0)
 
 
 def test_tp2_push_matches_colocated_tp1_and_moves_the_kv(pd_tp2, reference, tiny_model):
