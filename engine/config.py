@@ -110,9 +110,20 @@ class EngineConfig:
             object.__setattr__(
                 self, "kv_transfer_config", KVTransferConfig.from_json(self.kv_transfer_config)
             )
-        if self.tensor_parallel_size > 1 and self.kv_transfer_config is not None:
-            raise ValueError("P/D with tensor_parallel_size > 1 is not supported yet "
-                             "(a KV connector needs tensor_parallel_size 1)")
+        kv = self.kv_transfer_config
+        if self.tensor_parallel_size > 1 and kv is not None:
+            if kv.kv_connector != "NixlPushConnector":
+                raise ValueError(f"{kv.kv_connector} (pull mode) with tensor_parallel_size > 1 "
+                                 "is not supported yet; use NixlPushConnector (push mode)")
+            if not kv.kv_port:
+                raise ValueError("P/D with tensor_parallel_size > 1 needs an explicit kv_port "
+                                 "(rank r serves its side channel at kv_port + r)")
+            if not kv.engine_id:
+                raise ValueError("P/D with tensor_parallel_size > 1 needs an explicit engine_id "
+                                 "(every rank's NIXL agent is named <engine_id>-tp<rank>)")
+        if self.tensor_parallel_size > 1 and self.data_parallel_size > 1 and kv is not None:
+            raise ValueError("P/D with both tensor_parallel_size > 1 and data_parallel_size > 1 "
+                             "is not supported yet (both put ranks at kv_port + rank)")
         from engine.dp.config import validate_dp
 
         validate_dp(self)

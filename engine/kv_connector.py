@@ -1,6 +1,7 @@
 """The KV-connector interface the scheduler and the model runner call, and a registry.
 
-A connector has two halves that live in the same EngineCore process (TP = 1):
+A connector has two halves that live in the same EngineCore process (TP = 1; with tensor
+parallel the worker half of each rank lives in that rank's worker process, docs/design.md §8):
 - the scheduler half runs on the engine-core thread inside `Scheduler.schedule()` /
   `update_from_output()`;
 - the worker half runs on the same thread inside `ModelRunner.execute_model()`, and may
@@ -127,7 +128,9 @@ KVParamsValidator = Callable[[dict[str, Any], Sequence[int]], None]
 
 # name -> module. A connector module offers `make(config, spec)` -> (scheduler half, worker
 # half), built together so they can share what only one of them learns (e.g. the bound
-# side-channel port), and `request_params_validator(config)` -> KVParamsValidator.
+# side-channel port), and `request_params_validator(config)` -> KVParamsValidator; a
+# connector that supports tensor parallel also `make_scheduler(config, spec)` and
+# `make_worker(config, spec, tp_rank)`.
 _CONNECTORS: dict[str, str] = {
     "NixlConnector": "kvconnector.pull.connector",
     "NixlPushConnector": "kvconnector.push.connector",
@@ -160,3 +163,16 @@ def make_connector(config: EngineConfig, spec: KVCacheSpec
     """Build both halves of the configured connector, or (None, None) without one."""
     module = _module(config)
     return (None, None) if module is None else module.make(config, spec)
+
+
+def make_scheduler_half(config: EngineConfig, spec: KVCacheSpec) -> KVConnectorScheduler | None:
+    """The scheduler half alone (tensor parallel: EngineCore keeps it), or None."""
+    module = _module(config)
+    return None if module is None else module.make_scheduler(config, spec)
+
+
+def make_worker_half(config: EngineConfig, spec: KVCacheSpec, tp_rank: int
+                     ) -> KVConnectorWorker | None:
+    """Rank `tp_rank`'s worker half, built in its worker process, or None."""
+    module = _module(config)
+    return None if module is None else module.make_worker(config, spec, tp_rank)

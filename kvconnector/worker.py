@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from engine.config import EngineConfig
 from engine.kv_connector import KVCacheSpec, KVConnectorOutput, KVConnectorWorker
 from kvconnector.endpoint import Endpoint
@@ -44,17 +46,28 @@ class NixlWorker(KVConnectorWorker):
     mode = ""  # "push" | "pull"
     prune_idle_peers = False  # drop idle peers and their NIXL agents (see Peers.prune)
 
+    meta_type: Any = None  # the scheduler half's per-step metadata (a dataclass)
+
     def __init__(self, config: EngineConfig, spec: KVCacheSpec,
-                 endpoint: Endpoint | None = None) -> None:
+                 endpoint: Endpoint | None = None, tp_rank: int = 0) -> None:
         kv = config.kv_transfer_config
         assert kv is not None
         self.spec = spec
         self.endpoint = endpoint or Endpoint.from_config(kv)
+        # Tensor parallel (docs/design.md §8): rank r of N owns agent <engine_id>-tp<r> and
+        # serves its side channel at kv_port + r; its peers are the same rank of the other side.
+        self.tp_rank = tp_rank
+        self.tp_size = config.tensor_parallel_size
+        if tp_rank:
+            self.endpoint.port += tp_rank
         self.lease = float(kv.extra("kv_lease_duration", 30.0))
         self.ttl = float(kv.extra("push_registration_timeout", 480.0))
         self.hb_interval = float(kv.extra("heartbeat_interval", self.lease / 6))
         self.backends = list(kv.extra("backends", ["UCX"]))
         self.fault_injection = kv.extra("fault_injection", None)
+        fi = self.fault_injection
+        if tp_rank and isinstance(fi, dict) and fi.get("seed") is not None:
+            self.fault_injection = {**fi, "seed": fi["seed"] + tp_rank}  # each rank its draws
         self.security = KVSecurity.from_config(kv)
         self.refused_handshakes = RefusedHandshakes()
         self.compat = compat_hash(spec.model_name, spec.dtype, spec.num_layers,
@@ -71,9 +84,10 @@ class NixlWorker(KVConnectorWorker):
     def register_kv_caches(self, kv_cache: Any) -> None:
         ep = self.endpoint
         self.transport = t = NixlTransport(
-            f"{ep.engine_id}-tp0", kv_cache, self.spec.bytes_per_block,
+            f"{ep.engine_id}-tp{self.tp_rank}", kv_cache, self.spec.bytes_per_block,
             backends=self.backends, fault_injection=self.fault_injection,
             engine_id=ep.engine_id, block_size=self.spec.block_size, compat_hash=self.compat,
+            tp_rank=self.tp_rank, tp_size=self.tp_size,
         )
         meta = t.local_metadata()
         self.side_channel = SideChannelServer(ep.host, ep.port, lambda: meta, self.security)
@@ -93,10 +107,17 @@ class NixlWorker(KVConnectorWorker):
     def _fetch(self, host: str, port: int) -> Any:
         """A peer's agent metadata (on a Peers executor thread)."""
         with self.refused_handshakes:
+            # same-size TP pairs rank with rank: the peer's side channel must serve ours
             return fetch_peer_metadata(host, port, self.compat, _HANDSHAKE_TIMEOUT_S,
-                                       security=self.security)
+                                       tp_rank=self.tp_rank, security=self.security)
+
+    def for_rank(self, metadata: Any) -> Any:
+        """This rank's view of the scheduler's metadata (a mode points it at its peer rank)."""
+        return metadata
 
     def start_load_kv(self, metadata: Any) -> None:
+        if isinstance(metadata, dict):  # from a TP worker's RPC: msgpack, typed here
+            metadata = self.for_rank(msgspec.convert(metadata, self.meta_type))
         if self.thread is not None and metadata is not None and metadata.brings_work():
             self.thread.submit(metadata)
 

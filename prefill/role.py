@@ -8,14 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import uuid
 
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from engine.server.launcher import free_port
 
 
 def add_role_args(parser: argparse.ArgumentParser, role: str) -> None:
@@ -41,7 +36,8 @@ def role_kv_config(args: argparse.Namespace, role: str) -> str:
     extra = dict(base.get("kv_connector_extra_config", {}))
     if args.kv_extra_config:
         extra.update(json.loads(args.kv_extra_config))
-    port = base.get("kv_port") or args.kv_port or free_port(args.kv_host)
+    tp = getattr(args, "tensor_parallel_size", None) or 1
+    port = base.get("kv_port") or args.kv_port or free_port(args.kv_host, count=tp)
     config = {
         "kv_connector": base.get("kv_connector", args.kv_connector),
         "kv_role": base.get("kv_role", "kv_producer" if role == "prefill" else "kv_consumer"),

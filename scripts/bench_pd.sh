@@ -34,6 +34,10 @@
 #   up at once, requests alternating between the two proxies: a light-load comparison that
 #   phase-to-phase drift of the machine (P's prefill speed moved by 25 % between phases of
 #   one run) cannot distort.
+# Push at TP=2 vs TP=1 side by side (1024-in/8-out, one request at a time, 0.5/s): a 1P1D push
+#   deployment (P on core 0, D on core 1) and a 1P1D push deployment with P and D at
+#   --tensor-parallel-size 2 (each rank one thread, not pinned: both cores), both up at once,
+#   requests alternating between the two proxies (TP1 first). TP_PAIRED_PROMPTS=0 skips it.
 # Output: $OUT/pd_bench.md (tables, goals), $OUT/pd_bench.png (TTFT/ITL CDFs), raw JSON and
 # server logs in $OUT/pd_raw/.
 set -euo pipefail
@@ -52,10 +56,11 @@ OVERHEAD_PROMPTS=${OVERHEAD_PROMPTS:-60}   # per round, half through the proxy
 OVERHEAD_RATE=${OVERHEAD_RATE:-0.8}  # near-periodic (burstiness 50), one request at a time
 COST_PROMPTS=${COST_PROMPTS:-30}     # 1024-in/8-out, half through the proxy, half on P alone
 PAIRED_MODES_PROMPTS=${PAIRED_MODES_PROMPTS:-40}  # 1024-in/8-out, half pull, half push; 0: skip
+TP_PAIRED_PROMPTS=${TP_PAIRED_PROMPTS:-30}  # 1024-in/8-out, half push TP=1, half push TP=2; 0: skip
 GOODPUT=${GOODPUT:-"ttft:2500 tpot:100"}
 PORT_BASE=${PORT_BASE:-18100}
 NUM_BLOCKS=${NUM_BLOCKS:-2048}
-SYSTEMS=${SYSTEMS:-"colocated pull push"}
+SYSTEMS=${SYSTEMS-"colocated pull push"}  # empty: only the side-by-side runs
 export OMP_NUM_THREADS=1
 
 mkdir -p "$RAW/logs"
@@ -128,16 +133,19 @@ start_system() {  # sets TARGET (bench serve target args) and P_URL/D_URL for P/
         wait_healthy "http://127.0.0.1:$e0" "$a"; wait_healthy "http://127.0.0.1:$e1" "$b"
         TARGET=(--base-url "http://127.0.0.1:$e0" --base-url "http://127.0.0.1:$e1")
         ;;
-    pull|push)
-        local conn=NixlConnector; [ "$sys" = push ] && conn=NixlPushConnector
-        start "${sys}_prefill" 0 "$BIN/pdserve" prefill "$MODEL" --port $e0 \
-            --kv-port $k0 --kv-connector $conn --engine-id P0 "${SERVE_ARGS[@]}"; a=$LAST_PID
-        start "${sys}_decode" 1 "$BIN/pdserve" decode "$MODEL" --port $e1 \
-            --kv-port $k1 --kv-connector $conn --engine-id D0 "${SERVE_ARGS[@]}"; b=$LAST_PID
+    pull|push|push_tp2)
+        local conn=NixlConnector mode=$sys pc=0 dc=1 tp=()
+        [ "$sys" != pull ] && conn=NixlPushConnector mode=push
+        # TP=2: rank r's side channel is kv-port + r; the ranks share both cores
+        [ "$sys" = push_tp2 ] && { tp=(--tensor-parallel-size 2); pc=-; dc=-; k1=$((k0 + 2)); }
+        start "${sys}_prefill" $pc "$BIN/pdserve" prefill "$MODEL" --port $e0 --kv-port $k0 \
+            --kv-connector $conn --engine-id P0 "${tp[@]}" "${SERVE_ARGS[@]}"; a=$LAST_PID
+        start "${sys}_decode" $dc "$BIN/pdserve" decode "$MODEL" --port $e1 --kv-port $k1 \
+            --kv-connector $conn --engine-id D0 "${tp[@]}" "${SERVE_ARGS[@]}"; b=$LAST_PID
         P_URL="http://127.0.0.1:$e0"; D_URL="http://127.0.0.1:$e1"
         wait_healthy "$P_URL" "$a"; wait_healthy "$D_URL" "$b"
         start "${sys}_proxy" - "$BIN/pdserve" proxy --prefill "$P_URL" --decode "$D_URL" \
-            --mode "$sys" --port $px --log-level warning; a=$LAST_PID
+            --mode "$mode" --port $px --log-level warning; a=$LAST_PID
         wait_healthy "http://127.0.0.1:$px" "$a"
         TARGET=(--base-url "http://127.0.0.1:$px")
         ;;
@@ -191,20 +199,24 @@ for sys in $SYSTEMS; do
     log "system $sys: stopping"
     stop_all
 done
-if [ "$PAIRED_MODES_PROMPTS" -gt 0 ]; then
-    # Light-load push vs pull without drift between phases: both deployments up at once (both
-    # P on core 0, both D on core 1; one request at a time, so only one deployment works at a
-    # time), requests alternating between the pull proxy (first target) and the push proxy.
-    log "system pull+push side by side: starting"
-    start_system pull; PULL_TARGET=("${TARGET[@]}")
-    PORT_BASE=$((PORT_BASE + 20)) start_system push; PUSH_TARGET=("${TARGET[@]}")
-    bench "pull vs push side by side|1024x8 one at a time" "modes_paired" \
-        "${PULL_TARGET[@]}" "${PUSH_TARGET[@]}" \
+side_by_side() {  # side_by_side SYS_A SYS_B LABEL JSON_NAME PROMPTS SEED: both up at once
+    log "system $1 + $2 side by side: starting"
+    start_system "$1"; local first=("${TARGET[@]}")
+    PORT_BASE=$((PORT_BASE + 20)) start_system "$2"
+    bench "$3|1024x8 one at a time" "$4" "${first[@]}" "${TARGET[@]}" \
         --random-input-len 1024 --random-output-len 8 --max-concurrency 1 \
-        --request-rate 0.5 --burstiness 50 \
-        --num-prompts "$(scaled "$SCALE" "$PAIRED_MODES_PROMPTS" 6)" --seed 500
-    log "system pull+push side by side: stopping"
+        --request-rate 0.5 --burstiness 50 --num-prompts "$(scaled "$SCALE" "$5" 6)" --seed "$6"
+    log "system $1 + $2 side by side: stopping"
     stop_all
+}
+# Light-load push vs pull without drift between phases: both deployments up at once (both
+# P on core 0, both D on core 1; one request at a time, so only one deployment works at a
+# time), requests alternating between the pull proxy (first target) and the push proxy.
+if [ "$PAIRED_MODES_PROMPTS" -gt 0 ]; then
+    side_by_side pull push "pull vs push side by side" modes_paired "$PAIRED_MODES_PROMPTS" 500
+fi
+if [ "$TP_PAIRED_PROMPTS" -gt 0 ]; then
+    side_by_side push push_tp2 "push TP=1 vs TP=2 side by side" tp_paired "$TP_PAIRED_PROMPTS" 600
 fi
 loadavg end
 

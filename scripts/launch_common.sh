@@ -82,7 +82,10 @@ Options (environment variable in brackets; a flag wins):
   --bind ADDR           address the HTTP server binds; default --host, 0.0.0.0 for
                         every interface [${x}_BIND]
   --port N              HTTP port; default ${port} [${x}_PORT]
-  --kv-port N           KV side-channel port; default ${kv_port} [${x}_KV_PORT]
+  --kv-port N           KV side-channel port; default ${kv_port} [${x}_KV_PORT]; with
+                        --tp N, rank r listens at KV_PORT + r (open all N ports)
+  --tp N                tensor-parallel size (push mode; P and D must use the same N);
+                        default 1 [${x}_TP, else TP]
   --engine-id ID        engine id; default random [${x}_ENGINE_ID]
   --connector NAME      NixlPushConnector (push, default) or NixlConnector (pull)
                         [KV_CONNECTOR]
@@ -107,11 +110,11 @@ launch_role() {
     local role="$1" x="$2" def_port="$3" def_kv_port="$4"
     shift 4
     local host_var="${x}_HOST" bind_var="${x}_BIND" port_var="${x}_PORT"
-    local kv_port_var="${x}_KV_PORT" id_var="${x}_ENGINE_ID"
+    local kv_port_var="${x}_KV_PORT" id_var="${x}_ENGINE_ID" tp_var="${x}_TP"
     local model="${MODEL:-}" host="${!host_var:-}" bind="${!bind_var:-}"
     local port="${!port_var:-$def_port}" kv_port="${!kv_port_var:-$def_kv_port}"
     local engine_id="${!id_var:-}" connector="${KV_CONNECTOR:-NixlPushConnector}"
-    local served="${SERVED_MODEL_NAME:-}" dry_run=0
+    local served="${SERVED_MODEL_NAME:-}" dry_run=0 tp="${!tp_var:-${TP:-1}}"
     local -a extra=()
     if [[ -n "${PDSERVE_EXTRA_ARGS:-}" ]]; then
         read -r -a extra <<<"$PDSERVE_EXTRA_ARGS"
@@ -127,6 +130,7 @@ launch_role() {
             --engine-id) need_value "$1" $#; engine_id="$2"; shift 2 ;;
             --connector) need_value "$1" $#; connector="$2"; shift 2 ;;
             --served-model-name) need_value "$1" $#; served="$2"; shift 2 ;;
+            --tp) need_value "$1" $#; tp="$2"; shift 2 ;;
             --ucx-tls) need_value "$1" $#; export UCX_TLS="$2"; shift 2 ;;
             --ucx-net-devices) need_value "$1" $#; export UCX_NET_DEVICES="$2"; shift 2 ;;
             --dry-run) dry_run=1; shift ;;
@@ -149,10 +153,19 @@ launch_role() {
     esac
     check_port "--port" "$port"
     check_port "--kv-port" "$kv_port"
+    [[ "$tp" =~ ^[1-9][0-9]*$ ]] || die "--tp must be a positive integer, got '$tp'"
+    if (( tp > 1 )) && [[ "$connector" == NixlConnector ]]; then
+        die "--tp $tp: pull mode (NixlConnector) with tensor parallelism is not supported yet;" \
+            "use --connector NixlPushConnector"
+    fi
     [[ "$port" != "$kv_port" ]] || die "--port and --kv-port must differ (both $port)"
+    (( kv_port + tp - 1 <= 65535 )) || die "--kv-port $kv_port + --tp $tp runs past port 65535"
+    (( port < kv_port || port >= kv_port + tp )) || \
+        die "--port $port collides with the side-channel ports $kv_port..$((kv_port + tp - 1))"
     local -a cmd=("$(find_pdserve)" "$role" "$model" --host "${bind:-$host}" --port "$port"
                   --kv-host "$host" --kv-port "$kv_port" --kv-connector "$connector")
     [[ -z "$engine_id" ]] || cmd+=(--engine-id "$engine_id")
+    (( tp == 1 )) || cmd+=(--tensor-parallel-size "$tp")
     [[ -z "$served" ]] || cmd+=(--served-model-name "$served")
     report_ucx_env
     print_and_exec "$dry_run" "${cmd[@]}" "${extra[@]}"

@@ -113,6 +113,7 @@ def main() -> int:
     ap.add_argument("--veth", required=True, help="D's end of the veth pair")
     ap.add_argument("--model", default="tiny", help="served model name")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of P and D")
     args = ap.parse_args()
     failures: list[str] = []
 
@@ -124,6 +125,8 @@ def main() -> int:
     info = json.loads(_get(f"{args.prefill}/kv_transfer/info"))
     check(info.get("kv_host") == args.p_kv_host and info.get("kv_connector") ==
           "NixlPushConnector", f"P /kv_transfer/info advertises {args.p_kv_host}: {info}")
+    check(info.get("tp_size") == args.tp and len(info.get("kv_ports", ())) == args.tp,
+          f"P runs {args.tp} tensor-parallel rank(s), one side channel each: {info}")
 
     before = {"remote": metric(args.decode, REMOTE_TOKENS), "writes": metric(args.prefill, WRITES),
               "bytes": metric(args.prefill, BYTES), "rx": rx_bytes(args.veth)}

@@ -20,13 +20,15 @@
 # Environment: PDSERVE (the pdserve executable), NETNS_START_TIMEOUT (seconds an engine may
 # take to become healthy, default 150), NETNS_KEEP_LOGS=1 (keep the log directory),
 # NETNS_UCX_TLS (default tcp) and NETNS_UCX_NET_DEVICES (default: the veth; "any" leaves it
-# unset) — the only UCX settings the engines get (for experiments; see docs/two-node.md).
+# unset) — the only UCX settings the engines get (for experiments; see docs/two-node.md);
+# NETNS_TP (default 1): tensor-parallel size of P and of D (rank r's side channel: port + r).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 NAME="netns_two_node"
 EXIT_SKIP=77
 START_TIMEOUT="${NETNS_START_TIMEOUT:-150}"
+TP="${NETNS_TP:-1}"
 
 TAG="$$"
 NS_P="pdserve-p-$TAG" NS_D="pdserve-d-$TAG"
@@ -134,7 +136,7 @@ fi
 # in_ns NS LOG VAR=VALUE... -- CMD...: run CMD in NS, in the background. The caller's UCX_*
 # settings and the launch scripts' variables (P_*, D_*, PROXY_*, MODEL, ...) are dropped so
 # that only what this script sets reaches the engines.
-SCRUB='^(UCX_[A-Za-z0-9_]+|P_[A-Z_]+|D_[A-Z_]+|PROXY_[A-Z_]+|MODEL|KV_CONNECTOR'
+SCRUB='^(UCX_[A-Za-z0-9_]+|P_[A-Z_]+|D_[A-Z_]+|PROXY_[A-Z_]+|MODEL|KV_CONNECTOR|TP'
 SCRUB+='|SERVED_MODEL_NAME|PDSERVE_EXTRA_ARGS|PDSERVE_API_KEY|PDSERVE_KV_SECRET|[A-Za-z]+_(PROXY|proxy))$'
 in_ns() {
     local ns="$1" logf="$2"
@@ -179,12 +181,12 @@ ucx_dev() {  # ucx_dev VETH: the UCX_NET_DEVICES assignment for one side, if any
 # command line where `ps` would show it; the proxy does not need it.
 KV_SECRET="$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')"
 in_ns "$NS_P" prefill.log "$(ucx_dev "$VETH_P")" MODEL="$MODEL" P_HOST="$IP_P" \
-    P_PORT="$P_PORT" P_KV_PORT="$P_KV_PORT" PDSERVE_KV_SECRET="$KV_SECRET" -- \
+    P_PORT="$P_PORT" P_KV_PORT="$P_KV_PORT" P_TP="$TP" PDSERVE_KV_SECRET="$KV_SECRET" -- \
     "$ROOT/scripts/launch_prefill.sh" --engine-id "P-$TAG" --served-model-name "$SERVED" \
     -- "${ENGINE_FLAGS[@]}"
 PID_P=$!
 in_ns "$NS_D" decode.log "$(ucx_dev "$VETH_D")" MODEL="$MODEL" D_HOST="$IP_D" \
-    D_PORT="$D_PORT" D_KV_PORT="$D_KV_PORT" PDSERVE_KV_SECRET="$KV_SECRET" -- \
+    D_PORT="$D_PORT" D_KV_PORT="$D_KV_PORT" D_TP="$TP" PDSERVE_KV_SECRET="$KV_SECRET" -- \
     "$ROOT/scripts/launch_decode.sh" --engine-id "D-$TAG" --served-model-name "$SERVED" \
     -- "${ENGINE_FLAGS[@]}"
 PID_D=$!
@@ -207,5 +209,5 @@ wait_healthy "$NS_D" "http://$IP_D:$PROXY_PORT" "$PID_PROXY" "proxy ($NS_D)"
 ip netns exec "$NS_D" env -u PDSERVE_API_KEY "$PYTHON" "$ROOT/scripts/netns_check.py" \
     --proxy "http://$IP_D:$PROXY_PORT" --prefill "http://$IP_P:$P_PORT" \
     --decode "http://$IP_D:$D_PORT" --reference "http://127.0.0.1:$REF_PORT" \
-    --p-kv-host "$IP_P" --veth "$VETH_D" --model "$SERVED" &
+    --p-kv-host "$IP_P" --veth "$VETH_D" --model "$SERVED" --tp "$TP" &
 wait $!

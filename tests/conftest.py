@@ -36,3 +36,26 @@ def tiny_model(model_root: str) -> str:
 @pytest.fixture(scope="session")
 def tiny_models(model_root: str) -> dict[str, str]:
     return {arch: _make(model_root, arch) for arch in ARCHS}
+
+
+ISA_PATHS = ("avx512_bf16", "avx512", "avx2", "scalar")
+
+
+@pytest.fixture(params=ISA_PATHS)
+def kernel_isa(request: pytest.FixtureRequest):
+    """The compiled kernels forced onto each instruction-set path in turn (as PDSERVE_ISA
+    does); a path this CPU lacks is skipped (the build is -march=native, so it is not
+    compiled in). Yields the kernels' module; the best path is restored afterwards."""
+    from engine.worker import kernels
+
+    mod = kernels.compiled()
+    # gcc and ninja are installed by `make install`: a missing kernel is a failure here.
+    assert mod is not None, "the compiled CPU kernels did not build"
+    if request.param not in mod.isa_paths():
+        pytest.skip(f"this CPU has no {request.param} (its paths: {mod.isa_paths()})")
+    best = mod.get_isa()
+    mod.set_isa(request.param)
+    try:
+        yield mod
+    finally:
+        mod.set_isa(best)

@@ -16,6 +16,7 @@ import httpx
 from engine.server.launcher import ServerProcess, free_port, launch_server
 
 TEST_ENV = {"OMP_NUM_THREADS": "1", "PDSERVE_DEBUG_ROUTES": "1"}
+_MAX_TP = 2  # side-channel ports kept free per engine
 
 
 @dataclass
@@ -69,23 +70,26 @@ def deployment(model: str, mode: str = "push", *, num_blocks: int = 512,
                extra: dict[str, Any] | None = None, p_extra: dict[str, Any] | None = None,
                d_extra: dict[str, Any] | None = None, num_decodes: int = 1,
                proxy_args: tuple[str, ...] = (), with_proxy: bool = True,
-               engine_args: tuple[str, ...] = ()) -> Iterator[Deployment]:
-    """1P + num_decodes D (+ proxy) on `model`; `engine_args` go to every engine (--dtype …)."""
+               engine_args: tuple[str, ...] = (), p_args: tuple[str, ...] = (),
+               d_args: tuple[str, ...] = ()) -> Iterator[Deployment]:
+    """1P + num_decodes D (+ proxy) on `model`; `engine_args` go to every engine (--dtype …),
+    `p_args` / `d_args` to P / the Ds only (--tensor-parallel-size …)."""
     connector = "NixlPushConnector" if mode == "push" else "NixlConnector"
     procs: list[ServerProcess] = []
     try:
-        p_port = free_port()
+        p_port = free_port(count=_MAX_TP)  # a TP engine's rank r listens at kv_port + r
         p = launch_server(model, *role_args(num_blocks, {**(extra or {}), **(p_extra or {})},
-                                            connector, "P0", p_port, *engine_args),
+                                            connector, "P0", p_port, *engine_args, *p_args),
                           module="prefill", env=TEST_ENV, wait=False)
         procs.append(p)
         decodes, kv_ports = [], {"P0": p_port}
         for i in range(num_decodes):
-            d_port = free_port()
+            d_port = free_port(count=_MAX_TP)
             kv_ports[f"D{i}"] = d_port
             d = launch_server(model, *role_args(num_blocks,
                                                 {**(extra or {}), **(d_extra or {})},
-                                                connector, f"D{i}", d_port, *engine_args),
+                                                connector, f"D{i}", d_port, *engine_args,
+                                                *d_args),
                               module="decode", env=TEST_ENV, wait=False)
             procs.append(d)
             decodes.append(d)

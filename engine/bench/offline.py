@@ -1,8 +1,9 @@
 """`pdserve bench offline`: our LLM.generate against transformers' batched generate.
 
 Both run in the same process on the same random prompts (fixed input length, greedy,
-exactly --output-len new tokens each), one after the other; the result is the ratio of
-their output-token throughputs.
+exactly --output-len new tokens each), one after the other, in the same --dtype (float32 or
+bfloat16: weights, activations, and our KV cache); the result is the ratio of their
+output-token throughputs.
 
 --matmul-time also reports how long each spent in its matmuls (the model's linear layers,
 timed call by call; ours then runs its EngineCore in-process so the calls can be timed).
@@ -30,6 +31,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="weights and KV dtype of both engines")
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--hf-batch-size", type=int, default=0,
@@ -85,7 +88,7 @@ def _run_ours(args: argparse.Namespace, prompts: list[list[int]],
     from engine import LLM, SamplingParams
     from engine.models import causal_lm, layers
 
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs,
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               tensor_parallel_size=tp or args.tensor_parallel_size,
               multiprocess=not args.matmul_time)
@@ -121,7 +124,7 @@ def _run_hf(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, 
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = _hf_model(AutoModelForCausalLM, args.model, torch.float32)
+    model = _hf_model(AutoModelForCausalLM, args.model, getattr(torch, args.dtype))
     bs = args.hf_batch_size or len(prompts)
     produced = 0
     matmul = [0.0]
@@ -170,7 +173,8 @@ def main(args: argparse.Namespace) -> int:
         return 0
     ours, ours_mm = _run_ours(args, prompts)
     result: dict[str, Any] = {
-        "model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
+        "model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
         "output_len": args.output_len, "tokens_per_s": round(ours, 1),
         "tensor_parallel_size": args.tensor_parallel_size,
     }

@@ -38,7 +38,7 @@ def load_runs(raw: str) -> dict[str, Any]:
     """{'A': {system: {rate: result}}, 'mix': {system: result}, 'overhead': [results],
     'cost': {system: result}, 'transfer': result|None, 'loadavg': [(phase, '1m 5m 15m')]}"""
     runs: dict[str, Any] = {"A": {}, "mix": {}, "overhead": [], "cost": {},
-                            "modes_paired": None}
+                            "modes_paired": None, "tp_paired": None}
     for path in sorted(glob.glob(os.path.join(raw, "*.json"))):
         name = os.path.basename(path)[:-5]
         data = _load(path)
@@ -50,8 +50,8 @@ def load_runs(raw: str) -> dict[str, Any]:
             runs["mix"][m.group(1)] = data
         elif re.fullmatch(r"overhead_\d+", name):
             runs["overhead"].append(data)
-        elif name == "modes_paired":
-            runs["modes_paired"] = data
+        elif name in ("modes_paired", "tp_paired"):
+            runs[name] = data
         elif m := re.fullmatch(r"(\w+)__cost", name):
             runs["cost"][m.group(1)] = data
     runs["transfer"] = _load(os.path.join(raw, "transfer.json"))
@@ -168,16 +168,15 @@ def goals(runs: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
                 f"push/pull = {measured} | {verdict(all(hits) if hits else None)}"
                 f"{f' ({sum(hits)} of {len(hits)} rates)' if hits else ''} |")
 
-    pull_ms, push_ms, pairs = paired_samples([runs["modes_paired"] or {}],
-                                             _first_target(runs["modes_paired"]))
-    ratio = _ratio(statistics.median(push_ms), statistics.median(pull_ms)) if pairs else None
+    ratio, shown = side_by_side(runs["modes_paired"], "push − pull")
     numbers["push_over_pull_ttft_side_by_side"] = ratio
-    shown = "—" if ratio is None else (
-        f"{statistics.median(push_ms):.0f} / {statistics.median(pull_ms):.0f} ms = {ratio:.2f} "
-        f"(push − pull, {len(pairs)} pairs: {statistics.median(pairs):+.1f} ms)")
     rows.append(f"| push median TTFT ≤ {GOAL_PUSH_TTFT} × pull, light load, both deployments up "
                 f"at once, requests alternating | {shown} | "
                 f"{verdict(None if ratio is None else ratio <= GOAL_PUSH_TTFT)} |")
+    ratio, shown = side_by_side(runs["tp_paired"], "TP=2 − TP=1")
+    numbers["push_tp2_over_tp1_ttft_side_by_side"] = ratio
+    rows.append(f"| (no goal) push with P and D at TP=2 vs TP=1, median TTFT, 1024 in, both up at "
+                f"once, requests alternating | {shown} | — |")
 
     colo = runs["mix"].get("colocated")
     for system in ("push", "pull"):
@@ -239,6 +238,17 @@ def paired_samples(results: list[dict[str, Any]], baseline: str | None = None
             if not ea and not eb and (ta == base_name) != (tb == base_name):
                 pairs.append(1000 * ((b - a) if ta == base_name else (a - b)))
     return base, other, pairs
+
+
+def side_by_side(run: dict[str, Any] | None, what: str) -> tuple[float | None, str]:
+    """Median TTFT of the second target over the first's (requests alternating between two
+    deployments up at once), and how the table shows it."""
+    first_ms, second_ms, pairs = paired_samples([run or {}], _first_target(run))
+    ratio = _ratio(statistics.median(second_ms), statistics.median(first_ms)) if pairs else None
+    shown = "—" if ratio is None else (
+        f"{statistics.median(second_ms):.0f} / {statistics.median(first_ms):.0f} ms = "
+        f"{ratio:.2f} ({what}, {len(pairs)} pairs: {statistics.median(pairs):+.1f} ms)")
+    return ratio, shown
 
 
 def _first_target(r: dict[str, Any] | None) -> str | None:

@@ -62,8 +62,8 @@ def _measure(client: Any, args: argparse.Namespace, tag: str) -> dict[str, float
     warm = EngineCoreRequest(f"{tag}-warm", [11, 12, 13],
                              SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
                              None)
-    _drain(client, [warm])
-    stamps = _drain(client, _requests(args, tag))
+    drain(client, [warm])
+    stamps = drain(client, _requests(args, tag))
     # stamps[0] is the prefill step; decode steps follow. Skip the warm-up decode steps.
     times = stamps[1 + args.warmup_steps:]
     intervals = [(b - a) * 1000 for a, b in zip(times, times[1:], strict=False)]
@@ -73,7 +73,8 @@ def _measure(client: Any, args: argparse.Namespace, tag: str) -> dict[str, float
             "steps": len(intervals)}
 
 
-def _drain(client: Any, requests: list[Any]) -> list[float]:
+def drain(client: Any, requests: list[Any]) -> list[float]:
+    """Add the requests, step until all finish; the perf_counter time of each output batch."""
     ids = {r.request_id for r in requests}
     for r in requests:
         client.add_request(r)

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
-from engine.kv_connector import make_connector
+from engine.kv_connector import make_connector, make_scheduler_half
 from engine.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -40,6 +40,7 @@ class EngineCore:
         self.config = config
         self.tp_executor: MultiprocExecutor | None = None
         if config.tensor_parallel_size > 1:
+            from engine.executor.kv_outputs import TPConnectorView
             from engine.executor.multiproc import MultiprocExecutor
 
             self.runner = None
@@ -47,7 +48,11 @@ class EngineCore:
             self.executor: Any = self.tp_executor
             self.num_kv_blocks = min(i.num_kv_blocks for i in self.tp_executor.infos)
             self.max_model_len = self.tp_executor.infos[0].max_model_len
-            sched_conn = worker_conn = None  # EngineConfig refuses a connector with TP > 1
+            sched_conn = worker_conn = None
+            if self.tp_executor.kv_outputs is not None:  # P/D: worker halves in the ranks
+                spec = self.tp_executor.collective_rpc("kv_cache_spec", unique_reply_rank=0)
+                sched_conn = make_scheduler_half(config, spec)
+                worker_conn = TPConnectorView(self.tp_executor, self.tp_executor.kv_outputs)
         else:
             self.runner = self.executor = ModelRunner(config)
             self.num_kv_blocks = self.runner.num_kv_blocks

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from engine.executor.shm_broadcast import RingHandle
+from engine.kv_connector import KVCacheSpec
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 
 ALL_RANKS = -1
@@ -59,6 +60,8 @@ RPC_TYPES: dict[str, tuple[Any, Any]] = {
     "execute_model": (SchedulerOutput, ModelRunnerOutput),
     "describe": (None, WorkerInfo),
     "num_requests": (None, int),
+    "kv_cache_spec": (None, KVCacheSpec),  # with a KV connector: rank 0's layout
+    "kv_table_sizes": (None, dict[str, int]),  # the rank's connector tables (leak checks)
     "shutdown": (None, None),
 }
 

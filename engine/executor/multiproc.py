@@ -30,6 +30,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.executor import messages as m
+from engine.executor.kv_outputs import KVOutputAggregator
 from engine.executor.shm_broadcast import RingGone, ShmReader, ShmWriter
 from engine.executor.worker_proc import worker_main
 from engine.models import load_arch
@@ -67,6 +68,8 @@ class MultiprocExecutor:
         self.tp_size = config.tensor_parallel_size
         check_tp(load_arch(config.model), self.tp_size)  # a clear error before any spawn
         self.on_failure = on_failure
+        self.kv_outputs = (KVOutputAggregator(self.tp_size)
+                           if config.kv_transfer_config is not None else None)
         self.failure: str | None = None
         self._closing = False
         ctx = multiprocessing.get_context("spawn")
@@ -158,7 +161,13 @@ class MultiprocExecutor:
         return result
 
     def execute_model(self, scheduler_output: Any) -> Any:
-        return self.collective_rpc("execute_model", scheduler_output, unique_reply_rank=0)
+        if self.kv_outputs is None:
+            return self.collective_rpc("execute_model", scheduler_output, unique_reply_rank=0)
+        # P/D: every rank reports what its connector worker half finished; tokens from rank 0.
+        outs = self.collective_rpc("execute_model", scheduler_output)
+        outs[0].kv_connector_output = self.kv_outputs.combine(
+            [o.kv_connector_output for o in outs])
+        return outs[0]
 
     @property
     def num_requests(self) -> int:

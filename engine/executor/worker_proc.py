@@ -29,6 +29,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.executor import messages as m
 from engine.executor.shm_broadcast import RingGone, RingHandle, ShmReader, ShmWriter
+from engine.kv_connector import KVCacheSpec, make_worker_half
 from engine.models.parallel import Collectives
 
 logger = logging.getLogger(__name__)
@@ -46,9 +47,24 @@ class Worker:
         self.rank = rank
         self.runner = ModelRunner(config, tp_rank=rank, tp_size=tp_size,
                                   comm=Collectives(all_reduce, all_gather))
+        # P/D: this rank's connector worker half (its own NIXL agent, side channel and
+        # transfer thread) over this rank's KV memory; the scheduler half is in EngineCore.
+        self.connector = make_worker_half(config, self.runner.kv_cache_spec, rank)
+        if self.connector is not None:
+            self.connector.register_kv_caches(self.runner.kv_cache)
+        self.runner.connector = self.connector
 
     def execute_model(self, so: Any) -> Any:
-        return self.runner.execute_model(so)
+        out = self.runner.execute_model(so)
+        if self.connector is not None:
+            out.kv_connector_output.stats = self.connector.get_stats()
+        return out
+
+    def kv_cache_spec(self, _: None) -> KVCacheSpec:
+        return self.runner.kv_cache_spec
+
+    def kv_table_sizes(self, _: None) -> dict[str, int]:
+        return {} if self.connector is None else self.connector.table_sizes()
 
     def describe(self, _: None) -> m.WorkerInfo:
         r = self.runner
@@ -61,7 +77,8 @@ class Worker:
         return self.runner.num_requests
 
     def shutdown(self, _: None) -> None:
-        return None
+        if self.connector is not None:
+            self.connector.shutdown()
 
 
 def all_reduce(t: torch.Tensor) -> torch.Tensor:

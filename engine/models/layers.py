@@ -26,9 +26,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim with HF's rounding: normalise in float32, cast, then scale."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    # One fused float32 norm, then HF's cast and scale (3 ops, not 7: a bf16 decode step runs
+    # 2 per layer, and each op costs a few microseconds of dispatch).
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:

@@ -160,6 +160,9 @@ def kv_transfer_info(config: EngineConfig) -> dict[str, Any] | None:
     info = {
         "engine_id": first.engine_id, "kv_host": first.kv_host, "kv_port": first.kv_port,
         "tp_size": config.tensor_parallel_size, "block_size": config.block_size,
+        # rank r's side channel (docs/design.md §8); [kv_port] at TP 1
+        "kv_ports": [kv.kv_port + r if kv.kv_port else 0
+                     for r in range(config.tensor_parallel_size)],
         "kv_role": kv.kv_role, "kv_connector": kv.kv_connector,
     }
     if len(ranks) > 1:  # data parallel: every rank's own side channel (top level: rank 0)

@@ -19,10 +19,27 @@ import httpx
 import psutil
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
+    """A free TCP port; with `count` > 1 the first of `count` consecutive free ones (a TP
+    engine's ranks serve their side channels at kv_port + rank)."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            base = s.getsockname()[1]
+        if count == 1 or all(_bindable(host, base + i) for i in range(1, count)):
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports on {host}")
+
+
+def _bindable(host: str, port: int) -> bool:
+    if port > 65535:
+        return False
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 class ServerProcess:

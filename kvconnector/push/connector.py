@@ -7,6 +7,7 @@ Assembly only: the scheduler half is `PushScheduler`; the worker half is the sha
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,29 +16,43 @@ from engine.config import EngineConfig
 from engine.kv_connector import KVCacheSpec
 from kvconnector.endpoint import Endpoint
 from kvconnector.nixl import NixlTransport
-from kvconnector.params import decode
+from kvconnector.params import PushDecodeLeg, decode
 from kvconnector.peers import Peers
+from kvconnector.push.meta import PushMeta
 from kvconnector.push.receiver import Receiver
 from kvconnector.push.scheduler import PushScheduler
 from kvconnector.push.sender import Sender, SenderStats
 from kvconnector.push.writer import PushWriter
 from kvconnector.worker import NixlWorker
 
-__all__ = ["PushWorker", "make", "request_params_validator"]
+__all__ = ["PushWorker", "make", "make_scheduler", "make_worker",
+           "request_params_validator"]
 
 
 class PushWorker(NixlWorker):
     mode = "push"
     prune_idle_peers = True
+    meta_type = PushMeta
+
+    def for_rank(self, meta: PushMeta) -> PushMeta:
+        """Same-size TP pairs rank with rank: rank r registers with and heartbeats P's rank r,
+        whose side channel is P's kv_port + r (docs/design.md §8)."""
+        if not self.tp_rank:
+            return meta
+        r = self.tp_rank
+        return dataclasses.replace(
+            meta, registrations=[dataclasses.replace(g, remote_port=g.remote_port + r)
+                                 for g in meta.registrations],
+            queued=[dataclasses.replace(q, remote_port=q.remote_port + r) for q in meta.queued])
 
     def make_thread(self, transport: NixlTransport, peers: Peers, wake: threading.Event,
                     clock: Callable[[], float]) -> PushWriter:
         ep = self.endpoint
-        sender = Sender(transport, peers, clock, lease=self.lease, ttl=self.ttl, tp_size=1,
-                        bytes_per_block=self.spec.bytes_per_block, stats=SenderStats(),
-                        num_blocks=transport.num_blocks)
+        sender = Sender(transport, peers, clock, lease=self.lease, ttl=self.ttl,
+                        tp_size=self.tp_size, bytes_per_block=self.spec.bytes_per_block,
+                        stats=SenderStats(), num_blocks=transport.num_blocks)
         identity = {"decode_engine_id": ep.engine_id, "decode_host": ep.host,
-                    "decode_port": ep.port, "decode_tp_size": 1}
+                    "decode_port": ep.port, "decode_tp_size": self.tp_size}
         receiver = Receiver(transport, peers, clock, identity=identity, ttl=self.ttl,
                             hb_interval=self.hb_interval, grace=self.lease / 6,
                             stats={"kv_push_registrations_sent_total": 0,
@@ -51,11 +66,28 @@ def make(config: EngineConfig, spec: KVCacheSpec) -> tuple[PushScheduler, PushWo
     return PushScheduler(config, spec), PushWorker(config, spec, endpoint)
 
 
+def make_worker(config: EngineConfig, spec: KVCacheSpec, tp_rank: int) -> PushWorker:
+    """The worker half of one tensor-parallel rank, built in that rank's worker process."""
+    return PushWorker(config, spec, Endpoint.from_config(config.kv_transfer_config), tp_rank)
+
+
+def make_scheduler(config: EngineConfig, spec: KVCacheSpec) -> PushScheduler:
+    """The scheduler half alone (EngineCore with tensor parallel: the worker halves live in
+    the worker processes)."""
+    return PushScheduler(config, spec)
+
+
 def request_params_validator(config: EngineConfig
                              ) -> Callable[[dict[str, Any], Sequence[int]], None]:
     """The frontend's admission check of a request's kv_transfer_params (HTTP 400)."""
 
+    tp_size = config.tensor_parallel_size
+
     def validate(params: dict[str, Any], prompt_token_ids: Sequence[int]) -> None:
-        decode(params, "push")
+        leg = decode(params, "push")
+        if isinstance(leg, PushDecodeLeg) and leg.tp_size != tp_size:
+            raise ValueError(f"kv_transfer_params.tp_size: the prefill engine has "
+                             f"tensor_parallel_size {leg.tp_size}, this decode engine "
+                             f"{tp_size}; push between different sizes is not supported yet")
 
     return validate

@@ -82,8 +82,11 @@ def netns_allowed() -> None:
         pytest.skip(reason)
 
 
-def test_two_node_over_veth_matches_colocated_and_moves_the_kv(netns_allowed, tiny_model):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_node_over_veth_matches_colocated_and_moves_the_kv(netns_allowed, tiny_model, tp):
+    """tp=2: P and D each run two tensor-parallel ranks, every rank its own NIXL agent and
+    side channel across the veth."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NETNS_TP": str(tp)}
     proc_rc, out = _run_bounded([str(NETNS), tiny_model], SCRIPT_TIMEOUT_S, env=env)
     print(out)
     assert proc_rc == 0, f"netns_two_node.sh exited {proc_rc}:\n{out}"
@@ -119,7 +122,7 @@ def _dry_run(script: str, *args: str, **env: str) -> subprocess.CompletedProcess
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith(("P_", "D_", "PROXY_", "UCX_")) and k not in (
                  "MODEL", "KV_CONNECTOR", "SERVED_MODEL_NAME", "PDSERVE_EXTRA_ARGS",
-                 "PDSERVE_API_KEY")}
+                 "PDSERVE_API_KEY", "TP")}
     return subprocess.run([str(SCRIPTS / script), *args], capture_output=True, text=True,
                           env={**clean, "PDSERVE": "/bin/true", **env}, timeout=30)
 
@@ -146,6 +149,15 @@ def test_launch_decode_binds_everywhere_but_advertises_its_host():
         "--engine-id", "D7", "--served-model-name", "llm", "--max-model-len", "2048"]
 
 
+def test_launch_decode_takes_a_tensor_parallel_size():
+    r = _dry_run("launch_decode.sh", "/models/m", "--host", "10.9.9.9", "--dry-run", TP="2")
+    assert r.returncode == 0, r.stderr
+    assert shlex.split(r.stdout)[-2:] == ["--tensor-parallel-size", "2"]
+    r = _dry_run("launch_decode.sh", "/models/m", "--host", "10.9.9.9", "--dry-run", "--tp",
+                 "1", D_TP="2")
+    assert "--tensor-parallel-size" not in r.stdout  # the flag wins over the environment
+
+
 @pytest.mark.parametrize(("args", "env", "message"), [
     (["/m"], {}, "P_HOST"),
     ([], {"P_HOST": "10.0.0.1"}, "MODEL"),
@@ -155,6 +167,10 @@ def test_launch_decode_binds_everywhere_but_advertises_its_host():
     (["/m", "--connector", "Nope"], {"P_HOST": "h"}, "--connector"),
     (["/m", "--bogus"], {"P_HOST": "h"}, "unknown option"),
     (["/m", "--host"], {}, "needs a value"),
+    (["/m", "--tp", "0"], {"P_HOST": "h"}, "--tp must be a positive integer"),
+    (["/m", "--tp", "2", "--connector", "NixlConnector"], {"P_HOST": "h"},
+     "pull mode (NixlConnector) with tensor parallelism is not supported yet"),
+    (["/m", "--tp", "2", "--port", "5601"], {"P_HOST": "h"}, "collides with the side-channel"),
 ])
 def test_launch_prefill_rejects_bad_input_with_exit_2(args, env, message):
     r = _dry_run("launch_prefill.sh", "--dry-run", *args, **env)

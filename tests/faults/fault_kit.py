@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 import psutil
-from pd_harness import TEST_ENV, Deployment, engine_stats, role_args, start_proxy
+from pd_harness import TEST_ENV, Deployment, assert_no_leaks, engine_stats, role_args, start_proxy
 from pd_harness import metric as metric  # re-exported for the fault tests
 
 from engine.server.launcher import ServerProcess, free_port, launch_server
@@ -44,7 +44,7 @@ def cluster(model: str, *, num_blocks: int = 256, extra: dict[str, Any] | None =
 
     def start(module: str, engine_id: str, cfg: dict[str, Any], more: tuple[str, ...]
               ) -> ServerProcess:
-        kv_ports[engine_id] = free_port()
+        kv_ports[engine_id] = free_port(count=2)  # a TP=2 rank r listens at kv_port + r
         s = launch_server(model, *role_args(num_blocks, {**(extra or {}), **cfg},
                                             "NixlPushConnector", engine_id,
                                             kv_ports[engine_id], *more),
@@ -178,3 +178,22 @@ async def stream_sse(url: str, body: dict[str, Any], rid: str, timeout: float = 
     if error is None and not done:
         error = "stream ended without [DONE]"
     return "".join(text), error
+
+
+DEFAULT_HEARTBEAT_S = 30.0 / 6  # the default lease / 6
+
+
+def assert_d_recovered_from_p_death(d: ServerProcess, results: list, expected: list[str],
+                                    num_blocks: int, killed: float, *, within_s: float,
+                                    peers_gone: int) -> None:
+    """After P died mid-transfer: every request answered right (D recomputed), D has every
+    block back within two heartbeats of its probes (no quarantine left), `within_s` after the
+    kill, with no leak, and its probes saw at least `peers_gone` P agents gone."""
+    assert [error for _, error in results] == [None] * len(expected)
+    assert [text for text, _ in results] == expected
+    wait_for(lambda: engine_stats(d)["num_free_blocks"] == num_blocks
+             and table(d, "d_quarantine") == 0, 2 * DEFAULT_HEARTBEAT_S,
+             "D to free every block P could have written")
+    assert time.monotonic() - killed < within_s
+    assert_no_leaks([d], timeout=1)
+    assert engine_stats(d)["kv_connector"]["kv_peer_gone_total"] >= peers_gone

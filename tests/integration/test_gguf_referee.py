@@ -27,11 +27,11 @@ QUESTIONS = [
 # bf16 is not one arithmetic: transformers keeps the GGUF weights packed and multiplies in
 # float32 (rounding only activations to bf16); we dequantize the weights into bf16 (the serving
 # dtype: half the memory) and multiply bf16 x bf16. Where transformers' own bf16 logits hold a
-# near-tie, the two may take different branches. Each divergence must sit on such a near-tie
-# (measured: gaps 0, 0.0625 and 0.125, at tokens 9-33 of 7 of 12 answers), not too early.
+# near-tie, the two may take different branches. Each divergence must sit on a near-tie of
+# the float32 model (measured on the AMD EPYC, 1 thread: 8 of 12 answers part, at tokens
+# 2-42, our pick 0 to 0.206 below the float32 model's best there).
 BF16_TIE_MARGIN = 0.25  # logits: two bf16 steps at |logit| 16..32, where one step is 0.125
-BF16_MIN_EQUAL_PREFIX = 4
-BF16_MIN_IDENTICAL = 4
+BF16_MIN_IDENTICAL = 3
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +135,17 @@ def test_greedy_equals_transformers_gguf_batched_chunked_prefix_cached(gguf_path
 
 def test_bfloat16_greedy_tracks_transformers_bf16_up_to_near_ties(gguf_path, hf_tokenizer,
                                                                    chat_prompt_ids):
+    """Where ours and transformers' bf16 part, the float32 model is the judge: at the first
+    differing token our pick must be within BF16_TIE_MARGIN of the float32 model's best
+    (transformers' float32 forward on the common prefix). Both bf16 runs round every matmul
+    output and sum in different orders, so at a near-tie either may go either way. Measured
+    on the AMD EPYC: "Name a mammal that can fly." parts at token 12, where the float32
+    model has four candidates within 0.21 (18.31 ... 18.10) and transformers' bf16
+    arithmetic lifts its pick 0.375 above ours; "Translate 'good morning'..." parts at token
+    0 (an exact tie in transformers' bf16 logits) or 2, depending on the thread count (which
+    decode rows the bf16 skinny_linear kernel computes and which oneDNN does)."""
+    from transformers import AutoModelForCausalLM
+
     ref, ref_logits = hf_greedy(gguf_path, torch.bfloat16, chat_prompt_ids,
                                 hf_tokenizer.pad_token_id, hf_tokenizer.eos_token_id)
     llm = _engine(gguf_path, "bfloat16")
@@ -142,6 +153,9 @@ def test_bfloat16_greedy_tracks_transformers_bf16_up_to_near_ties(gguf_path, hf_
         ours = ours_greedy(llm, chat_prompt_ids)
     finally:
         llm.shutdown()
+    fp32 = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path),
+                                                gguf_file=os.path.basename(gguf_path),
+                                                dtype=torch.float32).eval()
     identical, report = 0, []
     for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
         if a == b:
@@ -150,11 +164,13 @@ def test_bfloat16_greedy_tracks_transformers_bf16_up_to_near_ties(gguf_path, hf_
         k = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
                  min(len(a), len(b)))
         assert k < min(len(a), len(b)), f"prompt {i}: one stops where the other goes on"
-        step = ref_logits[i][k]
-        gap = float(step[b[k]] - step[a[k]])
-        report.append((i, k, round(gap, 3)))
-        assert k >= BF16_MIN_EQUAL_PREFIX, f"prompt {i} diverges at token {k}"
-        assert 0 <= gap <= BF16_TIE_MARGIN, (
-            f"prompt {i} token {k}: ours {a[k]} is {gap:.3f} below transformers' {b[k]}")
-    print(f"bf16: {identical}/{len(ours)} identical; divergences (prompt, token, gap): {report}")
+        with torch.inference_mode():
+            true = fp32(torch.tensor([chat_prompt_ids[i] + b[:k]])).logits[0, -1].float()
+        gap = float(true.max() - true[a[k]])
+        report.append((i, k, round(float(ref_logits[i][k][b[k]] - ref_logits[i][k][a[k]]), 3),
+                       round(gap, 3)))
+        assert gap <= BF16_TIE_MARGIN, (
+            f"prompt {i} token {k}: ours {a[k]} is {gap:.3f} below the float32 model's best")
+    print(f"bf16: {identical}/{len(ours)} identical; divergences (prompt, token, gap in "
+          f"transformers' bf16 logits, gap in the float32 model's): {report}")
     assert identical >= BF16_MIN_IDENTICAL, report

@@ -568,7 +568,8 @@ def test_cli_flags_and_role_defaults_build_the_engine_config(tiny_model):
     assert kv.kv_connector_extra_config == {"backends": ["UCX"], "kv_lease_duration": 9}
     assert kv_transfer_info(config) == {
         "engine_id": "p0", "kv_host": "10.0.0.2", "kv_port": 5601, "tp_size": 1,
-        "block_size": 32, "kv_role": "kv_producer", "kv_connector": "NixlPushConnector"}
+        "kv_ports": [5601], "block_size": 32,
+        "kv_role": "kv_producer", "kv_connector": "NixlPushConnector"}
     plain = config_from_args(parser.parse_args([tiny_model]))
     assert plain.kv_transfer_config is None and kv_transfer_info(plain) is None
 

@@ -104,17 +104,26 @@ def test_a_worker_dying_while_the_engine_is_idle_marks_it_dead_at_once(tp_server
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
 
 
-def test_pd_roles_with_tp_above_one_are_refused_with_a_clear_error(tiny_model):
+def test_pd_with_tp_above_one_refuses_pull_and_unaddressed_ranks_with_a_clear_error(tiny_model):
+    """Push supports TP > 1 (tests/e2e/test_pd_push_tp.py); pull does not yet, and a TP
+    engine's ranks need a fixed kv_port (rank r: kv_port + r) and engine id."""
     from engine.config import EngineConfig
 
-    push = {"kv_connector": "NixlPushConnector", "kv_role": "kv_producer"}
-    with pytest.raises(ValueError, match="P/D with tensor_parallel_size > 1 is not supported"):
+    pull = {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "engine_id": "P",
+            "kv_port": 5000}
+    with pytest.raises(ValueError, match="NixlConnector .pull mode. with tensor_parallel_size"):
+        EngineConfig(model=tiny_model, tensor_parallel_size=2, kv_transfer_config=pull)
+    push = {"kv_connector": "NixlPushConnector", "kv_role": "kv_producer", "engine_id": "P"}
+    with pytest.raises(ValueError, match="needs an explicit kv_port"):
         EngineConfig(model=tiny_model, tensor_parallel_size=2, kv_transfer_config=push)
+    with pytest.raises(ValueError, match="needs an explicit engine_id"):
+        EngineConfig(model=tiny_model, tensor_parallel_size=2,
+                     kv_transfer_config={**push, "engine_id": "", "kv_port": 5000})
     r = subprocess.run([sys.executable, "-m", "engine.cli", "decode", tiny_model,
-                        "--tensor-parallel-size", "2"], capture_output=True, text=True,
-                       timeout=120)
+                        "--kv-connector", "NixlConnector", "--tensor-parallel-size", "2"],
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
-    assert "P/D with tensor_parallel_size > 1 is not supported yet" in r.stderr
+    assert "(pull mode) with tensor_parallel_size > 1 is not supported yet" in r.stderr
 
 
 def test_tp2_sampling_and_logprobs_equal_tp1_and_ranks_stay_in_step(tiny_model):

@@ -1,7 +1,9 @@
 """The skinny_linear kernel and the model's `linear` dispatch, against float64 matmuls.
 
-The kernel serves decode steps with few rows; it must equal x @ w^T to float32 rounding for
-every shape (K not a multiple of 8, N not a multiple of 4, M not a multiple of 3), and a row's
+The kernel serves decode steps with few rows; on every instruction-set path this CPU has
+(scalar, avx2, avx512, avx512_bf16: the `kernel_isa` fixture forces each) it must equal
+x @ w^T to float32 rounding (bf16: to the final bf16 rounding) for every shape (K not a
+multiple of the vector step, N not a multiple of 4, M not a multiple of 3), and a row's
 result must not depend on how many other rows came with it (a sequence's logits must not
 change with its batch).
 """
@@ -17,57 +19,54 @@ import torch
 import torch.nn.functional as F
 
 from engine.models import linear as linear_mod
-from engine.worker import kernels
+from engine.worker.kernels import calibrate
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
 
-def _has_avx2_fma() -> bool:
-    with open("/proc/cpuinfo") as f:
-        flags = next((ln for ln in f if ln.startswith("flags")), "").split()
-    return "avx2" in flags and "fma" in flags
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    if not _has_avx2_fma():
-        pytest.skip("this CPU has no AVX2/FMA: the kernel is compiled out and F.linear serves")
-    mod = kernels.linear_kernel()
-    # gcc and ninja are installed by `make install`: a missing kernel is a failure here.
-    assert mod is not None, "the skinny_linear kernel did not build"
-    return mod
-
-
+@DTYPES
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 33])
 @pytest.mark.parametrize("n,k", [(1, 8), (3, 13), (4, 64), (9, 100), (1024, 512), (512, 1408)])
-def test_kernel_matches_float64_matmul(kernel, m, n, k):
+def test_kernel_matches_float64_matmul(kernel_isa, dtype, m, n, k):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
-    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
-    got = kernel.skinny_linear(x, w)
-    want = (x.double() @ w.double().t()).float()
-    assert got.shape == (m, n)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * k ** 0.5)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    got = kernel_isa.skinny_linear(x, w)
+    want = x.double() @ w.double().t()
+    assert got.shape == (m, n) and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-4 * k ** 0.5)
+    else:  # float32 sums, one rounding to bf16 (relative 2^-9) at the end
+        torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-4 * k ** 0.5)
 
 
-def test_a_row_gives_the_same_bits_whatever_its_batch(kernel):
+@DTYPES
+def test_a_row_gives_the_same_bits_whatever_its_batch(kernel_isa, dtype):
     gen = torch.Generator().manual_seed(7)
-    x, w = torch.randn(20, 512, generator=gen), torch.randn(300, 512, generator=gen)
-    batch = kernel.skinny_linear(x, w)
+    x = torch.randn(20, 520, generator=gen).to(dtype)
+    w = torch.randn(300, 520, generator=gen).to(dtype)
+    batch = kernel_isa.skinny_linear(x, w)
     for i in (0, 5, 19):
-        assert torch.equal(kernel.skinny_linear(x[i:i + 1].contiguous(), w), batch[i:i + 1])
-        assert torch.equal(kernel.skinny_linear(x[i:i + 7].contiguous(), w), batch[i:i + 7])
+        assert torch.equal(kernel_isa.skinny_linear(x[i:i + 1].contiguous(), w), batch[i:i + 1])
+        assert torch.equal(kernel_isa.skinny_linear(x[i:i + 7].contiguous(), w), batch[i:i + 7])
 
 
-def test_kernel_rejects_what_it_cannot_compute(kernel):
-    with pytest.raises(RuntimeError, match="float32"):
-        kernel.skinny_linear(torch.ones(2, 8, dtype=torch.float64), torch.ones(3, 8))
+def test_kernel_rejects_what_it_cannot_compute(kernel_isa):
+    with pytest.raises(RuntimeError, match="float32 or both bfloat16"):
+        kernel_isa.skinny_linear(torch.ones(2, 8, dtype=torch.float64), torch.ones(3, 8))
+    with pytest.raises(RuntimeError, match="float32 or both bfloat16"):
+        kernel_isa.skinny_linear(torch.ones(2, 8).bfloat16(), torch.ones(3, 8))
     with pytest.raises(RuntimeError, match="shapes"):
-        kernel.skinny_linear(torch.ones(2, 8), torch.ones(3, 9))
+        kernel_isa.skinny_linear(torch.ones(2, 8), torch.ones(3, 9))
     with pytest.raises(RuntimeError, match="contiguous"):
-        kernel.skinny_linear(torch.ones(8, 2).t(), torch.ones(3, 8))
+        kernel_isa.skinny_linear(torch.ones(8, 2).t(), torch.ones(3, 8))
 
 
-def test_linear_uses_the_kernel_for_few_rows_and_f_linear_beyond(kernel, monkeypatch):
+@DTYPES
+def test_linear_uses_the_kernel_up_to_the_threshold_and_f_linear_beyond(kernel_isa, dtype,
+                                                                        monkeypatch):
     calls = []
-    real = kernel.skinny_linear
+    real = kernel_isa.skinny_linear
 
     class Spy:
         def skinny_linear(self, x, w):
@@ -75,23 +74,69 @@ def test_linear_uses_the_kernel_for_few_rows_and_f_linear_beyond(kernel, monkeyp
             return real(x, w)
 
     monkeypatch.setattr(linear_mod, "linear_kernel", lambda: Spy())
-    limit = linear_mod.SKINNY_ROWS_PER_THREAD * torch.get_num_threads()
+    monkeypatch.setattr(linear_mod, "skinny_rows", lambda dt: {dtype: 5}.get(dt, 0))
     gen = torch.Generator().manual_seed(3)
-    w, b = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
-    for m in (1, limit, limit + 1):
-        x = torch.randn(m, 24, generator=gen)
-        torch.testing.assert_close(linear_mod.linear(x, w, b), F.linear(x, w, b))
-    assert calls == [1, limit]
+    w, b = torch.randn(40, 24, generator=gen).to(dtype), torch.randn(40, generator=gen).to(dtype)
+    for m in (1, 5, 6):
+        x = torch.randn(m, 24, generator=gen).to(dtype)
+        tol = {} if dtype == torch.float32 else {"rtol": 2 ** -7, "atol": 1e-2}
+        torch.testing.assert_close(linear_mod.linear(x, w, b), F.linear(x, w, b), **tol)
+    assert calls == [1, 5]
     # Other dtypes and shapes keep F.linear.
-    xb, wb = torch.randn(2, 24).bfloat16(), torch.randn(40, 24).bfloat16()
-    torch.testing.assert_close(linear_mod.linear(xb, wb), F.linear(xb, wb))
-    x3 = torch.randn(2, 3, 24, generator=gen)
+    other = torch.float16
+    torch.testing.assert_close(linear_mod.linear(x[:2].to(other), w.to(other)),
+                               F.linear(x[:2].to(other), w.to(other)))
+    x3 = torch.randn(2, 3, 24, generator=gen).to(dtype)
     torch.testing.assert_close(linear_mod.linear(x3, w), F.linear(x3, w))
-    assert calls == [1, limit]
+    assert calls == [1, 5]
+
+
+class _FakeKernel:
+    """Instant up to `fast_rows` rows; beyond, three F.linear calls (slower than one)."""
+
+    def __init__(self, fast_rows: int) -> None:
+        self.fast_rows = fast_rows
+
+    def skinny_linear(self, x, w):
+        if x.shape[0] > self.fast_rows:
+            for _ in range(3):
+                F.linear(x, w)
+        return x
+
+
+@pytest.mark.parametrize("fast_rows,want", [(0, 0), (8, 8), (1000, calibrate.ROWS[-1])])
+def test_threshold_is_the_largest_row_count_where_the_kernel_wins(fast_rows, want, monkeypatch):
+    monkeypatch.setattr(calibrate, "CALIBRATION_SHAPE", (256, 128))
+    assert calibrate.measure(_FakeKernel(fast_rows), torch.float32) == want
+
+
+def test_measured_thresholds_are_stored_per_dtype_threads_and_path(kernel_isa):
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = calibrate.skinny_rows(dtype)
+        assert rows == 0 or rows in calibrate.ROWS
+    import json
+
+    table = json.loads(calibrate._store().read_text())
+    threads, isa = torch.get_num_threads(), kernel_isa.get_isa()
+    assert {f"float32:{threads}:{isa}", f"bfloat16:{threads}:{isa}"} <= set(table)
+    assert calibrate.skinny_rows(torch.float16) == 0
+
+
+def _in_subprocess(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=300)
 
 
 def test_pdserve_linear_torch_turns_the_kernel_off():
-    code = "from engine.worker import kernels; print(kernels.linear_kernel() is None)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PDSERVE_LINEAR": "torch"})
-    assert out.stdout.strip() == "True"
+    out = _in_subprocess("from engine.worker import kernels; print(kernels.linear_kernel())",
+                         PDSERVE_LINEAR="torch")
+    assert out.stdout.strip() == "None", out.stderr
+
+
+def test_pdserve_isa_forces_a_path_and_names_the_paths_on_a_bad_one():
+    code = "from engine.worker import kernels; print(kernels.compiled().get_isa())"
+    out = _in_subprocess(code, PDSERVE_ISA="scalar")
+    assert out.stdout.strip() == "scalar", out.stderr
+    out = _in_subprocess(code, PDSERVE_ISA="sse9")
+    assert out.returncode != 0
+    assert "PDSERVE_ISA=sse9" in out.stderr and "scalar" in out.stderr

@@ -1,7 +1,7 @@
 """Compiled CPU kernels, built once per machine with torch's C++ extension builder.
 
 One extension module holds them all (bindings in ops.cpp): `paged_decode` (paged decode
-attention, paged_attention.cpp) and `skinny_linear` (matmuls with few rows,
+attention, paged_attention.cpp) and `skinny_linear` (float32 / bf16 matmuls with few rows,
 skinny_linear.cpp). `paged_attention()` and `linear_kernel()` return the module or None, in
 which case the caller uses its pure-torch path. The build is keyed by the sources, the compiler
 flags, the torch version and the CPU (the code is built with -march=native) and cached as one
@@ -11,7 +11,9 @@ moves the result into place atomically, so concurrent builders never wait on eac
 builder killed midway leaves no lock behind. `make install` builds it ahead of time
 (`python -m engine.worker.kernels`), so no engine start pays for the compiler.
 PDSERVE_ATTENTION=torch and PDSERVE_LINEAR=torch turn the kernels off (for comparisons and as
-escape hatches).
+escape hatches). The kernels run on the best instruction-set path the build has (isa.h:
+avx512_bf16 > avx512 > avx2 > scalar); PDSERVE_ISA forces a lower one. `roofline.cpp` holds the
+machine-limit loops of `pdserve bench roofline`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(n)
-            for n in ("ops.cpp", "paged_attention.cpp", "skinny_linear.cpp")]
+            for n in ("ops.cpp", "paged_attention.cpp", "skinny_linear.cpp", "roofline.cpp")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("isa.h", "simd.h")]
 # -fopenmp: at::parallel_for is inlined into the kernel and parallel only with OpenMP on; the
 # extension then shares torch's own libgomp.so.1 (the loader finds it already loaded).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -51,7 +54,7 @@ def cached_path() -> tuple[str, Path]:
     import torch
 
     key = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in _SOURCES), " ".join(_CFLAGS).encode(),
+    for part in (*(src.read_bytes() for src in _SOURCES + _HEADERS), " ".join(_CFLAGS).encode(),
                  torch.__version__.encode(), _cpu_id().encode()):
         key.update(part)
     name = f"pdserve_kernels_{key.hexdigest()[:12]}"
@@ -94,12 +97,26 @@ def compiled() -> ModuleType | None:
         if not path.exists():
             logger.info("building the CPU kernels into %s", path)
             _build(name, path)
-        return _import(name, path)
+        module = _import(name, path)
     except Exception as e:  # no compiler, no ninja, a build error: fall back, say why once
         first = str(e).splitlines()[0] if str(e) else ""
         logger.warning("compiled CPU kernels unavailable (%s: %s); using the torch paths",
                        type(e).__name__, first)
         return None
+    _force_isa(module)
+    return module
+
+
+def _force_isa(module: ModuleType) -> None:
+    """PDSERVE_ISA=scalar|avx2|avx512|avx512_bf16 runs the kernels on that path instead of the
+    best this build has; a path the build lacks is an error naming the ones it has."""
+    isa = os.environ.get("PDSERVE_ISA")
+    if isa:
+        try:
+            module.set_isa(isa)
+        except RuntimeError as e:
+            raise ValueError(f"PDSERVE_ISA={isa}: {str(e).splitlines()[0]}") from None
+        logger.info("CPU kernels forced onto the %s path", isa)
 
 
 def paged_attention() -> ModuleType | None:
@@ -109,18 +126,27 @@ def paged_attention() -> ModuleType | None:
     return compiled()
 
 
-@functools.cache
 def linear_kernel() -> ModuleType | None:
-    """The module with `skinny_linear`, unless PDSERVE_LINEAR=torch or the CPU lacks AVX2/FMA."""
+    """The module with `skinny_linear`, unless PDSERVE_LINEAR=torch."""
     if os.environ.get("PDSERVE_LINEAR", "kernel") == "torch":
         return None
-    mod = compiled()
-    return mod if mod is not None and mod.has_skinny_linear() else None
+    return compiled()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Build (or find) the kernels and measure the skinny_linear thresholds; --recalibrate
+    measures them again."""
+    import torch
+
+    from engine.worker.kernels import calibrate
+
     mod = compiled()
-    linear = "with" if mod is not None and mod.has_skinny_linear() else "without"
-    print(f"CPU kernels: {'ready' if mod else 'NOT available'}, {linear} skinny_linear "
-          f"({cached_path()[1]})")
-    return 0 if mod else 1
+    if mod is None:
+        print(f"CPU kernels: NOT available ({cached_path()[1]})")
+        return 1
+    argv = sys.argv[1:] if argv is None else argv
+    rows = (calibrate.recalibrate() if "--recalibrate" in argv else
+            {dt: calibrate.skinny_rows(getattr(torch, dt)) for dt in ("float32", "bfloat16")})
+    print(f"CPU kernels: ready, path {mod.get_isa()} of {', '.join(mod.isa_paths())} "
+          f"({cached_path()[1]}); skinny_linear up to rows {rows}")
+    return 0

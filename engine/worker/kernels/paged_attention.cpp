@@ -8,7 +8,9 @@
 //
 // Work is split over (sequence, kv head) pairs with at::parallel_for; each pair handles the
 // `group` query heads that share the kv head, so every K/V row is loaded once for all of them.
-// Scores, softmax and the weighted sum run in float32 whatever the cache dtype.
+// Scores, softmax and the weighted sum run in float32 whatever the cache dtype. The dot products
+// and weighted sums run on the instruction-set path current_isa() names (isa.h, simd.h;
+// float16 caches on the scalar one).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -19,12 +21,12 @@
 #include <limits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-constexpr int64_t kLanes = 16;  // one AVX-512 register, two AVX2 ones
+using namespace simd;
 
-// <q, k> over dim values, summed in kLanes independent lanes (so the compiler vectorizes it
-// without reassociating a single sum), then across the lanes.
 // exp(x) for x <= 0 (softmax after subtracting the max), vectorizable: x = k ln2 + r with
 // |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7 there), 2^k put
 // into the exponent bits. Below -87 the result is 0 (e^-87 is under float's normal range).
@@ -45,21 +47,31 @@ inline float exp_nonpos(float x) {
   return p * scale;
 }
 
-template <typename T>
+// <q, k> over dim values, vector-wide on path P (simd.h), the remainder one by one.
+template <typename P, typename T>
 inline float dot(const float* q, const T* k, int64_t dim) {
-  float lanes[kLanes] = {};
+  auto acc = P::zero();
   int64_t d = 0;
-  for (; d + kLanes <= dim; d += kLanes)
-    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += q[d + j] * static_cast<float>(k[d + j]);
-  float s = 0.f;
+  for (; d + P::kStep <= dim; d += P::kStep)
+    acc = P::template madd<T>(acc, P::load(q + d), P::load(k + d));
+  float s = P::hsum(acc);
   for (; d < dim; ++d) s += q[d] * static_cast<float>(k[d]);
-  for (int64_t j = 0; j < kLanes; ++j) s += lanes[j];
   return s;
+}
+
+// a += p * v over dim values.
+template <typename P, typename T>
+inline void axpy(float p, const T* v, float* a, int64_t dim) {
+  const auto pv = P::set1(p);
+  int64_t d = 0;
+  for (; d + P::kStep <= dim; d += P::kStep)
+    P::storef(a + d, P::template madd<T>(P::loadf(a + d), pv, P::load(v + d)));
+  for (; d < dim; ++d) a[d] += p * static_cast<float>(v[d]);
 }
 
 // Sequences [begin, end): each reads its blocks' K (then V) chunks front to back, every row
 // whole (all kv heads), so the memory is streamed; `heads` query heads, `group` per kv head.
-template <typename T>
+template <typename P, typename T>
 void decode_seqs(float* out, const float* q, const T* chunks, const int64_t* table,
                  const int64_t* rows, const int64_t* ctx_lens, int64_t begin, int64_t end,
                  int64_t max_blocks, int64_t layer, int64_t bs, int64_t kv_heads,
@@ -83,7 +95,7 @@ void decode_seqs(float* out, const float* q, const T* chunks, const int64_t* tab
         const T* k = kc + i * row_elems;
         for (int64_t kh = 0, h = 0; kh < kv_heads; ++kh)
           for (int64_t g = 0; g < group; ++g, ++h)
-            scores[h * n + t0 + i] = dot(qb + h * dim, k + kh * dim, dim) * scale;
+            scores[h * n + t0 + i] = dot<P>(qb + h * dim, k + kh * dim, dim) * scale;
       }
     }
     // Softmax per query head.
@@ -107,10 +119,7 @@ void decode_seqs(float* out, const float* q, const T* chunks, const int64_t* tab
         for (int64_t kh = 0, h = 0; kh < kv_heads; ++kh) {
           const T* vh = v + kh * dim;
           for (int64_t g = 0; g < group; ++g, ++h) {
-            const float p = scores[h * n + t0 + i];
-            float* a = acc.data() + h * dim;
-#pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(vh[d]);
+            axpy<P>(scores[h * n + t0 + i], vh, acc.data() + h * dim, dim);
           }
         }
       }
@@ -121,6 +130,22 @@ void decode_seqs(float* out, const float* q, const T* chunks, const int64_t* tab
       for (int64_t d = 0; d < dim; ++d) o[h * dim + d] = acc[h * dim + d] * inv;
     }
   }
+}
+
+// decode_seqs on the best path current_isa() allows for T (float32 and bf16 caches have vector
+// paths; other dtypes the scalar one).
+template <typename T, typename... A>
+void decode_on_path(A... args) {
+  constexpr bool wide = std::is_same_v<T, float> || std::is_same_v<T, bf16>;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if constexpr (wide)
+    if (current_isa() >= Isa::kAvx512) return decode_seqs<Avx512, T>(args...);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (wide)
+    if (current_isa() >= Isa::kAvx2) return decode_seqs<Avx2, T>(args...);
+#endif
+  decode_seqs<Scalar, T>(args...);
 }
 
 }  // namespace
@@ -154,8 +179,8 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor chunks, torc
     const int64_t* rw = rows.data_ptr<int64_t>();
     const int64_t* cl = ctx_lens.data_ptr<int64_t>();
     at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-      decode_seqs<scalar_t>(o, qp, c, tb, rw, cl, begin, end, max_blocks, layer, bs, kv_heads,
-                            group, dim, s);
+      decode_on_path<scalar_t>(o, qp, c, tb, rw, cl, begin, end, max_blocks, layer, bs,
+                               kv_heads, group, dim, s);
     });
   });
 }

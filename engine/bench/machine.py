@@ -1,0 +1,63 @@
+"""This machine's compute and memory limits, measured by the compiled roofline loops
+(engine/worker/kernels/roofline.cpp), and the CPU's name and relevant flags."""
+
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+# Flags that decide which kernels can run (and so belong next to any speed we state).
+RELEVANT_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                  "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")
+
+
+def cpu_info() -> dict[str, Any]:
+    """{"model_name", "flags" (the relevant ones present), "cpus"} from /proc/cpuinfo."""
+    name, flags, cpus = platform.processor(), set(), 0
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name":
+                    name, cpus = value.strip(), cpus + 1
+                elif key == "flags":
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return {"model_name": name, "cpus": cpus,
+            "flags": [f for f in RELEVANT_FLAGS if f in flags]}
+
+
+def machine_limits(threads: list[int], repeats: int, buffer_mib: int,
+                   fma_iters: int) -> dict[str, Any]:
+    """Per thread count: fp32 FMA GFLOP/s, bf16 dot GFLOP/s (None without AVX512-BF16) and
+    streaming-read GB/s, each the best of `repeats`."""
+    import torch
+
+    from engine.worker.kernels import compiled
+
+    k = compiled()
+    if k is None:
+        raise RuntimeError("the compiled CPU kernels are not available: no roofline loops")
+    buf = torch.ones(buffer_mib * (1 << 20) // 4)  # written once, so every page is mapped
+    lanes, out = k.fma_lanes(), {}
+    for t in threads:
+        fma = min(k.fma_seconds(t, fma_iters) for _ in range(repeats))
+        entry = {"fma_gflops": round(t * fma_iters * 16 * lanes * 2 / fma / 1e9, 2),
+                 "bf16_dot_gflops": None}
+        if k.has_bf16_dot():
+            dot = min(k.bf16_dot_seconds(t, fma_iters) for _ in range(repeats))
+            entry["bf16_dot_gflops"] = round(t * fma_iters * 16 * 64 / dot / 1e9, 2)
+        read = min(k.read_seconds(buf, t) for _ in range(max(repeats, 5)))
+        entry["read_gbps"] = round(buf.numel() * 4 / read / 1e9, 2)
+        out[t] = entry
+    return {"fma_isa": k.fma_isa(), "fma_lanes": lanes, "bf16_dot": k.has_bf16_dot(),
+            "buffer_mib": buffer_mib, "threads": out}
+
+
+def best_limits(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two machine_limits results merged, the higher of each number kept."""
+    merged = {t: {key: (max(v, b["threads"][t][key]) if v is not None else None)
+                  for key, v in entry.items()} for t, entry in a["threads"].items()}
+    return {**a, "threads": merged}

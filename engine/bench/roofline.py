@@ -1,0 +1,250 @@
+"""`pdserve bench roofline`: the engine against this machine's own limits, in one run.
+
+Limits (compiled loops in engine/worker/kernels/roofline.cpp, best of --repeats each), for 1
+and 2 threads (--threads):
+- fp32 FMA peak: 16 independent FMA chains per thread on the widest vectors present
+  (AVX-512, else AVX2+FMA); GFLOP/s = threads * iters * 16 * lanes * 2 / s.
+- bf16 dot peak (AVX512-BF16 only, else null): the same with vdpbf16ps, 64 FLOP per
+  instruction (16 lanes x 2 bf16 products x multiply+add).
+- streaming read: a --buffer-mib float32 buffer (>> L3) summed with wide loads, each thread
+  its share; GB/s = bytes / s.
+Engine (the real EngineCore in this process, torch.set_num_threads(t), prefix caching off):
+- prefill: one fresh prompt of --prefill-tokens T tokens, max_tokens=1: wall time from adding
+  the request to its output. FLOPs from the model's shapes, with P = the linear weights of
+  all layers (L * (hidden*(q+2kv) + q*hidden + hidden*2*inter + inter*hidden), q = H*D,
+  kv = KV*D) and V*hidden for the LM head (one row: only the last token is sampled):
+      prefill FLOP = 2*T*P + 2*V*hidden + 2*L*H*D*T*(T+1)
+  (the last term: Q K^T and P V over the causal triangle, T(T+1)/2 dot products of D each).
+  Reported as GFLOP/s and as a fraction of the fp32 FMA peak at the same thread count.
+- decode: one sequence (batch 1) with a --decode-context C token prompt, --decode-steps
+  steps after 4 warm-up ones; a step is the interval between consecutive outputs. Bytes per
+  step from the shapes (what must come from memory: every weight once, the KV of the context):
+      decode bytes = e * (P + V*hidden) + e * 2*L*KV*D*c
+  with e the dtype's bytes per element and c the step's mean context length. Reported as
+  GB/s and as a fraction of the streaming-read bandwidth at the same thread count.
+- bf16: the same prefill and decode with --dtype bfloat16 (null where the CPU has no bf16 dot
+  instructions); bf16_prefill_speedup = fp32 prefill time / bf16 prefill time at the thread
+  count where fp32 prefill is fastest.
+Every timing is the best of --repeats (a noisy machine only ever slows a run down).
+Result JSON: prefill_fma_fraction and decode_bandwidth_fraction (the best thread count of
+each), bf16_prefill_speedup, the raw numbers per thread count, the CPU's model name and flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from engine.bench.machine import best_limits, cpu_info, machine_limits
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="local Hugging Face model directory")
+    parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
+    parser.add_argument("--prefill-tokens", type=int, default=1024)
+    parser.add_argument("--decode-context", type=int, default=512)
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5, help="best of N for every timing")
+    parser.add_argument("--buffer-mib", type=int, default=512,
+                        help="streaming-read buffer (make it >> the L3 cache)")
+    parser.add_argument("--fma-iters", type=int, default=20_000_000)
+    parser.add_argument("--skip-bf16", action="store_true", help="fp32 only")
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="first measure the skinny_linear row thresholds again (a quiet "
+                             "machine's are the ones to keep)")
+    parser.add_argument("--result-json", default=None)
+
+
+def model_costs(model: str) -> dict[str, int]:
+    """The shape terms of the docstring's formulas: P, V*hidden, L*H*D, L*KV*D."""
+    from engine.models import load_arch
+
+    a = load_arch(model)
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    per_layer = (a.hidden_size * (q + 2 * kv) + q * a.hidden_size
+                 + a.hidden_size * 2 * a.intermediate_size + a.intermediate_size * a.hidden_size)
+    return {"linear_params": a.num_layers * per_layer, "head_params": a.vocab_size * a.hidden_size,
+            "attn_hd": a.num_layers * q, "kv_per_token": 2 * a.num_layers * kv}
+
+
+def prefill_flop(c: dict[str, int], tokens: int) -> float:
+    return (2.0 * tokens * c["linear_params"] + 2.0 * c["head_params"]
+            + 2.0 * c["attn_hd"] * tokens * (tokens + 1))
+
+
+def decode_bytes(c: dict[str, int], context: float, itemsize: int) -> float:
+    return itemsize * (c["linear_params"] + c["head_params"] + c["kv_per_token"] * context)
+
+
+def _request(rid: str, vocab: int, n: int, max_tokens: int, seed: int) -> Any:
+    import random
+
+    from engine.protocol import EngineCoreRequest, SamplingParams
+
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+    return EngineCoreRequest(rid, [rng.randrange(10, vocab) for _ in range(n)], params, None)
+
+
+def _engine_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> dict[int, dict]:
+    """{threads: {"prefill_s", "decode_step_s", "breakdown_*"}} for one dtype, best of
+    --repeats each."""
+    import torch
+
+    from engine.bench.step import drain
+    from engine.client.inproc import InprocClient
+    from engine.config import EngineConfig
+    from engine.models import load_arch
+    from engine.worker.kernels.calibrate import skinny_rows
+
+    vocab = load_arch(args.model).vocab_size
+    longest = max(args.prefill_tokens, args.decode_context + args.decode_steps + 8)
+    config = EngineConfig(model=args.model, dtype=dtype, max_num_seqs=1, max_model_len=longest,
+                          num_kv_blocks=longest // 16 + 4, block_size=16,
+                          max_num_batched_tokens=longest, enable_prefix_caching=False)
+    client = InprocClient(config)
+    out: dict[int, dict] = {}
+    try:
+        drain(client, [_request("warm", vocab, 64, 2, 0)])
+        for t in threads:
+            torch.set_num_threads(t)
+            skinny_rows(getattr(torch, dtype))  # measured now if new, not inside a timing
+            prefill = decode = float("inf")
+            for i in range(args.repeats):
+                start = time.perf_counter()
+                drain(client, [_request(f"p{t}-{i}", vocab, args.prefill_tokens, 1, i)])
+                prefill = min(prefill, time.perf_counter() - start)
+                stamps = drain(client, [_request(f"d{t}-{i}", vocab, args.decode_context,
+                                                 5 + args.decode_steps, i)])[5:]
+                steps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+                decode = min(decode, sorted(steps)[len(steps) // 2])  # a run's median step
+            breakdowns = [_prefill_breakdown(client, vocab, args.prefill_tokens, f"b{t}-{i}")
+                          for i in range(max(1, args.repeats // 2))]
+            out[t] = {"prefill_s": prefill, "decode_step_s": decode,
+                      **min(breakdowns, key=lambda b: b["breakdown_prefill_s"])}
+    finally:
+        client.shutdown()
+    return out
+
+
+def _prefill_breakdown(client: Any, vocab: int, tokens: int, rid: str) -> dict[str, float]:
+    """A prefill with the model's matmuls and attention calls timed (apart from the best-of
+    runs: the timing wrappers cost a little)."""
+    from engine.bench.offline import _timed
+    from engine.bench.step import drain
+    from engine.models import causal_lm, layers
+    from engine.worker.attention import PagedAttention
+
+    matmul, attention = [0.0], [0.0]
+    with _timed([layers, causal_lm], "linear", matmul), \
+            _timed([PagedAttention], "__call__", attention):
+        start = time.perf_counter()
+        drain(client, [_request(rid, vocab, tokens, 1, 99)])
+        total = time.perf_counter() - start
+    return {"breakdown_prefill_s": total, "breakdown_matmul_s": matmul[0],
+            "breakdown_attention_s": attention[0]}
+
+
+def _engine_table(args: argparse.Namespace, dtype: str, runs: dict[int, dict],
+                  limits: dict[str, Any]) -> dict[int, dict]:
+    costs = model_costs(args.model)
+    itemsize = 4 if dtype == "float32" else 2
+    context = args.decode_context + 4 + args.decode_steps / 2  # mean over the measured steps
+    flop = prefill_flop(costs, args.prefill_tokens)
+    nbytes = decode_bytes(costs, context, itemsize)
+    t_ = args.prefill_tokens
+    matmul_flop = 2.0 * t_ * costs["linear_params"] + 2.0 * costs["head_params"]
+    attn_flop = flop - matmul_flop
+    table = {}
+    for t, r in runs.items():
+        lim = limits["threads"][t]
+        gflops, gbps = flop / r["prefill_s"] / 1e9, nbytes / r["decode_step_s"] / 1e9
+        table[t] = {"prefill_s": round(r["prefill_s"], 6), "prefill_gflops": round(gflops, 2),
+                    "prefill_fma_fraction": round(gflops / lim["fma_gflops"], 3),
+                    "decode_step_ms": round(r["decode_step_s"] * 1e3, 3),
+                    "decode_gbps": round(gbps, 2),
+                    "decode_bandwidth_fraction": round(gbps / lim["read_gbps"], 3)}
+        if lim["bf16_dot_gflops"]:
+            table[t]["prefill_bf16_dot_fraction"] = round(gflops / lim["bf16_dot_gflops"], 3)
+        # Where one (separately timed) prefill spent its time.
+        b = r["breakdown_prefill_s"]
+        table[t]["breakdown"] = {
+            "prefill_s": round(b, 6),
+            "matmul_share": round(r["breakdown_matmul_s"] / b, 3),
+            "matmul_gflops": round(matmul_flop / r["breakdown_matmul_s"] / 1e9, 2),
+            "attention_share": round(r["breakdown_attention_s"] / b, 3),
+            "attention_gflops": round(attn_flop / r["breakdown_attention_s"] / 1e9, 2),
+        }
+    return table
+
+
+def _recalibrate(threads: list[int]) -> None:
+    import torch
+
+    from engine.worker.kernels.calibrate import recalibrate
+
+    for t in threads:
+        torch.set_num_threads(t)
+        print(f"skinny_linear thresholds, {t} thr: up to rows {recalibrate()}", flush=True)
+
+
+def _print(dtype: str, table: dict[int, dict], limits: dict[str, Any]) -> None:
+    for t, r in table.items():
+        lim = limits["threads"][t]
+        print(f"{dtype:8s} {t} thr  prefill {r['prefill_gflops']:7.1f} GFLOP/s = "
+              f"{r['prefill_fma_fraction']:.2f} of fp32 FMA peak {lim['fma_gflops']:.1f}  |  "
+              f"decode {r['decode_gbps']:6.2f} GB/s = {r['decode_bandwidth_fraction']:.2f} of "
+              f"stream read {lim['read_gbps']:.2f}", flush=True)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    threads = [int(t) for t in args.threads.split(",")]
+    if args.recalibrate:
+        _recalibrate(threads)
+    limits = machine_limits(threads, args.repeats, args.buffer_mib, args.fma_iters)
+    dtypes = ["float32"] + (["bfloat16"] if limits["bf16_dot"] and not args.skip_bf16 else [])
+    runs = {dt: _engine_runs(args, dt, threads) for dt in dtypes}
+    # Measured again after the engine runs, the best of both kept: the clock boosts with the
+    # load on the other cores, and a limit must not be taken at a moment slower than the runs.
+    limits = best_limits(limits, machine_limits(threads, args.repeats, args.buffer_mib,
+                                                args.fma_iters))
+    for t, lim in limits["threads"].items():
+        print(f"limits   {t} thr  fp32 FMA {lim['fma_gflops']:.1f} GFLOP/s  bf16 dot "
+              f"{lim['bf16_dot_gflops'] or 'n/a'}  stream read {lim['read_gbps']:.2f} GB/s",
+              flush=True)
+    tables = {dt: _engine_table(args, dt, runs[dt], limits) for dt in dtypes}
+    for dt, table in tables.items():
+        _print(dt, table, limits)
+    fp32 = tables["float32"]
+    best_p = max(fp32, key=lambda t: fp32[t]["prefill_fma_fraction"])
+    best_d = max(fp32, key=lambda t: fp32[t]["decode_bandwidth_fraction"])
+    fastest = min(fp32, key=lambda t: fp32[t]["prefill_s"])
+    result: dict[str, Any] = {
+        "model": args.model, "cpu": cpu_info(), "limits": limits,
+        "costs": model_costs(args.model), "prefill_tokens": args.prefill_tokens,
+        "decode_context": args.decode_context, "float32": fp32,
+        "prefill_fma_fraction": fp32[best_p]["prefill_fma_fraction"],
+        "prefill_fma_fraction_threads": best_p,
+        "decode_bandwidth_fraction": fp32[best_d]["decode_bandwidth_fraction"],
+        "decode_bandwidth_fraction_threads": best_d,
+        "bf16_prefill_speedup": None, "bfloat16": None,
+    }
+    if "bfloat16" in tables:
+        bf16 = result["bfloat16"] = tables["bfloat16"]
+        result["bf16_prefill_speedup"] = round(
+            fp32[fastest]["prefill_s"] / bf16[fastest]["prefill_s"], 3)
+        result["bf16_prefill_speedup_threads"] = fastest
+    print(f"prefill_fma_fraction {result['prefill_fma_fraction']} ({best_p} thr)  "
+          f"decode_bandwidth_fraction {result['decode_bandwidth_fraction']} ({best_d} thr)  "
+          f"bf16_prefill_speedup {result['bf16_prefill_speedup']}")
+    return result
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args)
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0

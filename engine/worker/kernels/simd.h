@@ -1,0 +1,97 @@
+// One "path" type per instruction set (see isa.h), shared by the kernels: V is the float32
+// accumulator vector, In<T> what one load of kStep values of T becomes (bf16 widened to fp32
+// by a 16-bit shift, except on Avx512Bf16 where vdpbf16ps takes bf16 pairs as they are).
+// load(p) reads kStep values, madd(acc, a, b) = acc + a * b, hsum sums the lanes; set1, loadf
+// and storef (float32 vectors) serve the attention kernel's weighted sums.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include "isa.h"
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace simd {
+
+using bf16 = c10::BFloat16;
+
+struct Scalar {
+  using V = float;
+  template <typename T>
+  using In = float;
+  static constexpr int kStep = 1;
+  static V zero() { return 0.f; }
+  static V set1(float x) { return x; }
+  template <typename T>
+  static In<T> load(const T* p) { return static_cast<float>(*p); }
+  static V loadf(const float* p) { return *p; }
+  static void storef(float* p, V v) { *p = v; }
+  template <typename T>
+  static V madd(V acc, In<T> a, In<T> b) { return acc + a * b; }
+  static float hsum(V v) { return v; }
+};
+
+#if defined(__AVX2__) && defined(__FMA__)
+struct Avx2 {
+  using V = __m256;
+  template <typename T>
+  using In = __m256;
+  static constexpr int kStep = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static In<float> load(const float* p) { return _mm256_loadu_ps(p); }
+  static In<bf16> load(const bf16* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static V loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static void storef(float* p, V v) { _mm256_storeu_ps(p, v); }
+  template <typename T>
+  static V madd(V acc, In<T> a, In<T> b) { return _mm256_fmadd_ps(a, b, acc); }
+  static float hsum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+struct Avx512 {
+  using V = __m512;
+  template <typename T>
+  using In = __m512;
+  static constexpr int kStep = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static In<float> load(const float* p) { return _mm512_loadu_ps(p); }
+  static In<bf16> load(const bf16* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static V loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static void storef(float* p, V v) { _mm512_storeu_ps(p, v); }
+  template <typename T>
+  static V madd(V acc, In<T> a, In<T> b) { return _mm512_fmadd_ps(a, b, acc); }
+  static float hsum(V v) { return _mm512_reduce_add_ps(v); }
+};
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+struct Avx512Bf16 {  // bf16 x bf16 dot products only
+  using V = __m512;
+  template <typename T>
+  using In = __m512bh;
+  static constexpr int kStep = 32;
+  static V zero() { return _mm512_setzero_ps(); }
+  static In<bf16> load(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  template <typename T>
+  static V madd(V acc, In<T> a, In<T> b) { return _mm512_dpbf16_ps(acc, a, b); }
+  static float hsum(V v) { return _mm512_reduce_add_ps(v); }
+};
+#endif
+
+}  // namespace simd

@@ -1,0 +1,79 @@
+"""Faults in P/D push at TP=2 on both sides (docs/design.md §8), each rank its own agent.
+
+- P's rank-1 worker is SIGKILLed while every request waits for its KV on D (P holds its
+  completions back). P's engine fails as a whole (§8 Failure: its EngineCore reports it dead
+  and takes rank 0 down), so each of D's ranks finds its P rank's side channel gone: every
+  request through the proxy is still answered (D recomputes), token for token as colocated,
+  and D has every block back on every rank.
+- Seeded random WRITE failures on P's ranks: a request one rank of which got PUSH_FAIL while
+  the other's KV landed is recomputed (a failure on any rank wins), answers stay right, and
+  both engines end with every block back and every table empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import psutil
+from fault_kit import (
+    assert_d_recovered_from_p_death,
+    cluster,
+    plain,
+    prompts,
+    stream_sse,
+    table,
+    wait_for,
+)
+from pd_harness import assert_no_leaks, engine_stats
+
+TP2 = ("--tensor-parallel-size", "2")
+NUM_BLOCKS = 256
+
+
+def test_killing_p_rank1_mid_transfer_answers_every_request_and_leaks_nothing(tiny_model,
+                                                                               reference):
+    with cluster(tiny_model, num_blocks=NUM_BLOCKS, name="tp-rank-death",
+                 p_extra={"fault_injection": {"delay_notif": {"COMPLETION": 60.0}}},
+                 p_args=TP2, d_args=[TP2], proxy_args=("--request-timeout", "120")) as dep:
+        d = dep.d
+        ps = prompts(4, seed=601, lo=100, hi=200)
+        rank1 = psutil.Process(engine_stats(dep.p)["tp_worker_pids"][1])
+
+        async def run() -> tuple[list, float]:
+            tasks = [asyncio.create_task(stream_sse(dep.proxy.url, plain(p), f"tp-{i}",
+                                                    timeout=120)) for i, p in enumerate(ps)]
+            # every request waits on both of D's ranks (tables are summed over the ranks)
+            await asyncio.to_thread(wait_for, lambda: table(d, "d_waiting") == 2 * len(ps),
+                                    60, "both D ranks to wait for P's KV for every request")
+            rank1.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            return await asyncio.gather(*tasks), killed
+
+        results, killed = asyncio.run(run())
+        # one peer gone per D rank
+        assert_d_recovered_from_p_death(d, results, reference(ps), NUM_BLOCKS, killed,
+                                        within_s=15.0, peers_gone=2)
+
+
+def test_random_write_failures_on_single_ranks_recompute_and_leak_nothing(tiny_model,
+                                                                          reference):
+    faults = {"fail_write": True, "probability": 0.3, "seed": 5}
+    with cluster(tiny_model, num_blocks=NUM_BLOCKS, name="tp-write-faults",
+                 p_extra={"fault_injection": faults}, p_args=TP2, d_args=[TP2]) as dep:
+        ps = prompts(12, seed=602, lo=20, hi=120)
+
+        async def run() -> list:
+            return await asyncio.gather(*(stream_sse(dep.proxy.url, plain(p), f"wf-{i}")
+                                          for i, p in enumerate(ps)))
+
+        results = asyncio.run(run())
+        assert [error for _, error in results] == [None] * len(ps)
+        assert [text for text, _ in results] == reference(ps)
+        # each rank draws its own faults (seed + rank): some requests lost their KV on one or
+        # both ranks and were recomputed (counted once per request), the others moved
+        recomputed = engine_stats(dep.d)["kv_connector"]["kv_recompute_fallback_total"]
+        assert 0 < recomputed < len(ps)
+        assert engine_stats(dep.p)["kv_connector"]["kv_push_writes_total"] > 0
+        assert_no_leaks([dep.p, dep.d])

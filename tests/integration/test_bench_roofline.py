@@ -1,0 +1,65 @@
+"""`pdserve bench roofline` end to end on the tiny model (small sizes): the machine's limits
+and the engine's prefill / decode against them, with the JSON keys the issue names, the FLOP
+and byte counts of the documented formulas, and fractions in a sane range."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return set(next((ln for ln in f if ln.startswith("flags")), "").split())
+
+
+@pytest.fixture(scope="module")
+def result(tiny_model, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("roofline") / "roofline.json"
+    subprocess.run([sys.executable, "-m", "engine.cli", "bench", "roofline", "--model",
+                    tiny_model, "--threads", "1", "--prefill-tokens", "96",
+                    "--decode-context", "40", "--decode-steps", "6", "--repeats", "2",
+                    "--buffer-mib", "96", "--fma-iters", "2000000", "--result-json", str(out)],
+                   check=True, timeout=300, capture_output=True)
+    return json.loads(out.read_text())
+
+
+def test_roofline_reports_the_fractions_and_the_machine(result):
+    assert 0 < result["prefill_fma_fraction"] <= 1.5
+    # The tiny model's weights fit in the caches, so its decode may beat DRAM bandwidth.
+    assert 0 < result["decode_bandwidth_fraction"] < 20
+    assert result["prefill_fma_fraction_threads"] == 1
+    assert result["decode_bandwidth_fraction_threads"] == 1
+    lim = result["limits"]["threads"]["1"]
+    assert lim["fma_gflops"] > 0 and lim["read_gbps"] > 0
+    assert result["cpu"]["model_name"]
+    flags = _cpu_flags()
+    assert set(result["cpu"]["flags"]) <= flags
+    if "avx512_bf16" in flags:
+        assert lim["bf16_dot_gflops"] > 0 and result["bf16_prefill_speedup"] > 0
+        assert result["bfloat16"]["1"]["prefill_gflops"] > 0
+    else:
+        assert lim["bf16_dot_gflops"] is None and result["bf16_prefill_speedup"] is None
+
+
+def test_flop_and_byte_counts_follow_the_model_shapes(result, tiny_model):
+    cfg = json.loads(open(f"{tiny_model}/config.json").read())
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    params = layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
+    head = cfg["vocab_size"] * h
+    assert result["costs"]["linear_params"] == params
+    t = result["prefill_tokens"]
+    flop = 2 * t * params + 2 * head + 2 * layers * q * t * (t + 1)
+    r = result["float32"]["1"]
+    assert r["prefill_gflops"] == pytest.approx(flop / r["prefill_s"] / 1e9, rel=0.01)
+    context = result["decode_context"] + 4 + 6 / 2
+    nbytes = 4 * (params + head + 2 * layers * kv * context)
+    assert r["decode_gbps"] == pytest.approx(nbytes / (r["decode_step_ms"] / 1e3) / 1e9,
+                                             rel=0.01)
+    assert r["prefill_fma_fraction"] == pytest.approx(
+        r["prefill_gflops"] / result["limits"]["threads"]["1"]["fma_gflops"], abs=0.002)

@@ -1,0 +1,38 @@
+"""KVOutputAggregator: N ranks' connector reports → the one the scheduler half expects."""
+
+from __future__ import annotations
+
+from engine.executor.kv_outputs import KVOutputAggregator
+from engine.kv_connector import KVConnectorOutput
+
+
+def _out(sending=(), recving=(), failed=None, stats=None) -> dict:
+    # the msgpack-decoded form a worker's reply carries
+    return {"finished_sending": list(sending), "finished_recving": list(recving),
+            "failed_recving": failed or {}, "stats": stats or {}}
+
+
+def test_done_only_once_every_rank_said_so_even_in_different_steps():
+    agg = KVOutputAggregator(2)
+    first = agg.combine([_out(recving=["a"], sending=["p"]), _out()])
+    assert first.finished_recving == set() and first.finished_sending == set()
+    second = agg.combine([_out(), _out(recving=["a"], sending=["p"])])
+    assert second.finished_recving == {"a"} and second.finished_sending == {"p"}
+    assert not any(agg.table_sizes().values())
+
+
+def test_a_failure_on_any_rank_fails_at_once_and_later_words_are_dropped():
+    agg = KVOutputAggregator(2)
+    out = agg.combine([_out(recving=["a"]), _out(failed={"a": "P gone"})])
+    assert out.failed_recving == {"a": "tensor-parallel rank 1: P gone"}
+    assert out.finished_recving == set()
+    later = agg.combine([_out(failed={"a": "cancelled"}), _out(recving=["a"])])
+    assert later.failed_recving == {} and later.finished_recving == set()
+    agg.combine([_out(sending=["a"]), _out(sending=["a"])])  # released on every rank
+    assert not any(agg.table_sizes().values())
+
+
+def test_counters_are_summed_over_ranks_and_typed_outputs_pass():
+    agg = KVOutputAggregator(2)
+    agg.combine([KVConnectorOutput(stats={"w": 3}), _out(stats={"w": 4, "x": 1})])
+    assert agg.stats() == {"w": 7, "x": 1}
