@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -33,16 +33,20 @@ class Backend:
     outstanding: int = 0
     consecutive_failures: int = 0
     last_error: str = "not checked yet"
+    # data-parallel prefill servers: outstanding legs per rank, and where ties start
+    rank_outstanding: dict[int, int] = field(default_factory=dict)
+    rank_cursor: int = 0
 
 
 class Lease:
     """One leg's claim on a backend; `release()` is idempotent so every exit path may call it."""
 
-    __slots__ = ("backend", "pool", "_released")
+    __slots__ = ("backend", "pool", "rank", "_released")
 
     def __init__(self, pool: BackendPool, backend: Backend) -> None:
         self.backend = backend
         self.pool = pool
+        self.rank: int | None = None  # the data-parallel rank the leg is pinned to
         self._released = False
 
     @property
@@ -52,7 +56,20 @@ class Lease:
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self.pool._release(self.backend)
+            self.pool._release(self.backend, self.rank)
+
+    def pin_rank(self, ranks: Sequence[int]) -> int:
+        """Pin this leg to the rank of `ranks` (not empty) with the fewest outstanding legs
+        on this backend; ties go round-robin. Released with the lease."""
+        assert self.rank is None and not self._released, "rank pinned twice or after release"
+        b, order = self.backend, sorted(ranks)
+        start = next((i for i, r in enumerate(order) if r >= b.rank_cursor), 0)
+        order = order[start:] + order[:start]
+        rank = min(order, key=lambda r: b.rank_outstanding.get(r, 0))
+        b.rank_cursor = rank + 1
+        b.rank_outstanding[rank] = b.rank_outstanding.get(rank, 0) + 1
+        self.rank = rank
+        return rank
 
 
 class BackendPool:
@@ -96,7 +113,9 @@ class BackendPool:
         self._metrics.outstanding.labels(url=best.url).set(best.outstanding)
         return Lease(self, best)
 
-    def _release(self, backend: Backend) -> None:
+    def _release(self, backend: Backend, rank: int | None = None) -> None:
+        if rank is not None:
+            backend.rank_outstanding[rank] -= 1
         backend.outstanding -= 1
         assert backend.outstanding >= 0, f"outstanding count of {backend.url} went negative"
         self._metrics.outstanding.labels(url=backend.url).set(backend.outstanding)

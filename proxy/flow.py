@@ -108,6 +108,7 @@ class Dispatcher:
 
     async def _push(self, ctx: RequestContext) -> Response:
         p_lease, coords = await self._choose_prefill_with_info(ctx)
+        coords = pin_prefill_rank(p_lease, coords)
         d_lease = self.decode.choose()
         if d_lease is None:
             p_lease.release()
@@ -115,7 +116,8 @@ class Dispatcher:
         transfer_id = new_id()
         logger.debug("request %s: push transfer %s P=%s D=%s",
                      ctx.request_id, transfer_id, p_lease.url, d_lease.url)
-        p_body = prefill_leg_body(ctx.body, ctx.route, push_prefill_params(transfer_id))
+        p_body = prefill_leg_body(ctx.body, ctx.route, push_prefill_params(transfer_id),
+                                  p_lease.rank)
         d_body = decode_leg_body(ctx.body, push_decode_params(coords, transfer_id))
         prefill = self._spawn_prefill(ctx, p_lease, p_body)
         opening = self._spawn_decode(ctx, d_lease, d_body)
@@ -146,7 +148,14 @@ class Dispatcher:
         p_lease = self.prefill.choose()
         if p_lease is None:
             raise self._no_healthy(ctx, self.prefill)
-        p_body = prefill_leg_body(ctx.body, ctx.route, pull_prefill_params())
+        try:
+            coords = await self.kv_info.get_optional(p_lease.url)
+        except BaseException:  # cancelled: the lease must not leak
+            p_lease.release()
+            raise
+        if coords is not None:  # P's answer names the rank's side channel itself
+            pin_prefill_rank(p_lease, coords)
+        p_body = prefill_leg_body(ctx.body, ctx.route, pull_prefill_params(), p_lease.rank)
         prefill = self._spawn_prefill(ctx, p_lease, p_body)
         await self._wait(ctx, {prefill}, on_give_up=[prefill],
                          what=f"prefill backend {p_lease.url}")
@@ -320,6 +329,13 @@ class Dispatcher:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+
+def pin_prefill_rank(lease: Lease, coords: PrefillCoordinates) -> PrefillCoordinates:
+    """With a data-parallel P: pin the leg to the live rank with the fewest outstanding legs
+    and return that rank's coordinates (D's push leg names them); otherwise `coords`."""
+    live = coords.live_ranks
+    return coords.for_rank(lease.pin_rank(live)) if live else coords
 
 
 async def _discard_decode(opening: asyncio.Task[DecodeStream]) -> None:

@@ -62,9 +62,13 @@ def pull_decode_params(p_response: Any) -> dict[str, Any] | None:
     return {**params, DECODE_FLAG: True}
 
 
-def prefill_leg_body(body: dict[str, Any], route: str, kv_params: dict[str, Any]) -> dict[str, Any]:
-    """The client's request cut down to a prefill: one token, one choice, no stream."""
+def prefill_leg_body(body: dict[str, Any], route: str, kv_params: dict[str, Any],
+                     rank: int | None = None) -> dict[str, Any]:
+    """The client's request cut down to a prefill: one token, one choice, no stream; pinned
+    to data-parallel rank `rank` of P when given."""
     leg = dict(body)
+    if rank is not None:
+        leg["data_parallel_rank"] = rank
     leg["max_tokens"] = 1
     if route == CHAT:
         leg["max_completion_tokens"] = 1

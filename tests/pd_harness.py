@@ -127,6 +127,15 @@ def metric(server: ServerProcess, name: str) -> float:
     return total
 
 
+def per_engine(server: ServerProcess, name: str) -> dict[str, float]:
+    """Metric `name` of a data-parallel server, by its `engine` label (the rank)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return {s.labels["engine"]: s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == name}
+
+
 def assert_no_leaks(servers: list[ServerProcess], timeout: float = 20.0) -> None:
     """Every engine's blocks are back and every connector table is empty (waits for
     leases, acks and one last engine step to settle)."""

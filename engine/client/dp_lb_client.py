@@ -31,7 +31,7 @@ from engine.client.async_mp_client import AsyncMPClient, cancel_task
 from engine.client.base import AsyncEngineCoreClient, EngineDeadError
 from engine.config import EngineConfig
 from engine.dp.balancer import Balancer
-from engine.dp.config import rank_config
+from engine.dp.config import default_request_rank, rank_config
 from engine.dp.coordinator import CoordinatorProcess
 from engine.dp.messages import DECODE_ERRORS, front_decoder
 from engine.dp.stats import merge_stats
@@ -159,6 +159,8 @@ class DPLBAsyncClient(AsyncEngineCoreClient):
 
     def _rank_for(self, request: EngineCoreRequest) -> int:
         rank = request.data_parallel_rank
+        if rank is None:
+            rank = default_request_rank(self.config, request.kv_transfer_params)
         if rank is None:
             try:
                 return self.balancer.pick()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from kvconnector.params import PREFILL_FLAG
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
 
-PD_WITH_DP_ERROR = "P/D with data_parallel_size > 1 is not supported yet"
 
 
 def validate_dp(config: EngineConfig) -> None:
@@ -26,13 +27,6 @@ def validate_dp(config: EngineConfig) -> None:
             raise ValueError("data_parallel_lockstep is not supported with "
                              "data_parallel_external_lb")
         return
-    kv = config.kv_transfer_config
-    if size > 1 and kv is not None and kv.kv_role != "kv_consumer":
-        # D ranks behind one decode server work (each its own side channel, agent and
-        # engine id); P ranks need the proxy to name the rank on both legs: not yet.
-        raise ValueError(f"{PD_WITH_DP_ERROR} for a {kv.kv_role} (prefill) server; a decode "
-                         "(kv_consumer) server may run several ranks, or run one prefill "
-                         "server per rank with --data-parallel-external-lb")
     if config.data_parallel_lockstep and size < 2:
         raise ValueError("data_parallel_lockstep needs data_parallel_size > 1")
 
@@ -61,6 +55,19 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
             kv, engine_id=f"{kv.engine_id}_dp{rank}" if kv.engine_id else "",
             kv_port=kv.kv_port + rank if shift else kv.kv_port)
     return dataclasses.replace(config, data_parallel_rank=rank, kv_transfer_config=kv)
+
+
+def default_request_rank(config: EngineConfig, kv_transfer_params: Any) -> int | None:
+    """The rank an unpinned request must run on, None when the balancer may pick. A push-mode
+    prefill leg (`do_remote_decode`) goes to rank 0 — the rank the top level of
+    /kv_transfer/info names, so a rank-unaware proxy that sent D there gets a P that writes;
+    a rank-aware proxy pins the rank it named in D's leg (design §9)."""
+    kv = config.kv_transfer_config
+    if (kv is None or kv.kv_connector != "NixlPushConnector" or not uses_dp_client(config)
+            or not isinstance(kv_transfer_params, dict)
+            or kv_transfer_params.get(PREFILL_FLAG) is not True):
+        return None
+    return 0
 
 
 def check_request_rank(config: EngineConfig, rank: int | None) -> None:

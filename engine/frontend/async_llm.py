@@ -97,6 +97,11 @@ class AsyncLLM:
         return self._dead or client_dead
 
     @property
+    def dead_data_parallel_ranks(self) -> list[int]:
+        """The data-parallel ranks whose engine died (always empty without DP)."""
+        return sorted(getattr(self.client, "engine_errors", ()))
+
+    @property
     def errored(self) -> bool:
         return self.dead_error is not None
 

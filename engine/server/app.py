@@ -190,6 +190,10 @@ def build_app(
             info = {**(info or {}), **live}
         if info is None:
             raise APIError("this server has no kv-transfer config", 404, code="not_found")
+        if info.get("data_parallel_ranks"):  # a rank whose engine died is listed, not alive
+            dead = set(getattr(engine, "dead_data_parallel_ranks", ()))
+            info = {**info, "data_parallel_ranks": [
+                {**r, "alive": r["rank"] not in dead} for r in info["data_parallel_ranks"]]}
         return JSONResponse(info)
 
     return app

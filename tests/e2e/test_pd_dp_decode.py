@@ -12,8 +12,14 @@ import signal
 import httpx
 import openai
 import pytest
-from pd_harness import TEST_ENV, assert_no_leaks, role_args, start_proxy, wait_until
-from prometheus_client.parser import text_string_to_metric_families
+from pd_harness import (
+    TEST_ENV,
+    assert_no_leaks,
+    per_engine,
+    role_args,
+    start_proxy,
+    wait_until,
+)
 
 from engine.server.launcher import free_port, launch_server
 
@@ -22,12 +28,6 @@ COUNTER = {"push": "pdserve:kv_push_registrations_sent_total",
            "pull": "pdserve:kv_pull_reads_total"}
 PROMPTS = [[3 + i, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59][: 9 + i] * 3
            for i in range(6)]
-
-
-def _per_rank(url: str, name: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return {s.labels["engine"]: s.value for f in text_string_to_metric_families(text)
-            for s in f.samples if s.name == name}
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +73,10 @@ def test_decode_at_dp2(tiny_model, reference, mode, tmp_path):
                 extra_body={"ignore_eos": True}).choices[0].text for pr in prompts]
 
         assert run(PROMPTS) == reference
-        moved = _per_rank(d.url, COUNTER[mode])
+        moved = per_engine(d, COUNTER[mode])
         assert moved.get("0", 0) > 0 and moved.get("1", 0) > 0
         assert moved["0"] + moved["1"] == len(PROMPTS)
-        received = _per_rank(d.url, "pdserve:kv_remote_prefill_tokens_total")
+        received = per_engine(d, "pdserve:kv_remote_prefill_tokens_total")
         assert received["0"] > 0 and received["1"] > 0
         assert_no_leaks([p, d])
         # One D engine dies: the other rank keeps serving the deployment.
@@ -85,7 +85,7 @@ def test_decode_at_dp2(tiny_model, reference, mode, tmp_path):
         wait_until(lambda: httpx.get(d.url + "/engine_stats", timeout=10).json()[
             "dead_engines"] == [1], 10, "D rank 1 reported dead")
         assert run(PROMPTS[:3]) == reference[:3]
-        after = _per_rank(d.url, COUNTER[mode])
+        after = per_engine(d, COUNTER[mode])
         assert after["0"] == moved["0"] + 3
     finally:
         for s in reversed(procs):

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -35,6 +36,7 @@ from pd_harness import wait_until
 from proxy.app import build_app
 from proxy.backends import BackendPool
 from proxy.config import ProxyConfig
+from proxy.kv_info import KVInfoError, PrefillCoordinates
 from proxy.legs import (
     CHAT,
     decode_leg_body,
@@ -98,11 +100,19 @@ class FakeBackend:
         self.pull_params = {"remote_block_ids": [3, 4, 5], "remote_engine_id": f"engine-{name}",
                             "remote_host": "127.0.0.1", "remote_port": kv_port, "tp_size": 1}
         self.url = ""
+        self.dp_size = 1  # > 1: /kv_transfer/info lists data_parallel_ranks
+        self.dead_ranks: set[int] = set()  # legs pinned here answer 503, info says not alive
 
     def info(self) -> dict[str, Any]:
-        return {"engine_id": f"engine-{self.name}", "kv_host": "127.0.0.1",
+        info = {"engine_id": f"engine-{self.name}", "kv_host": "127.0.0.1",
                 "kv_port": self.kv_port, "tp_size": 1, "block_size": 16,
                 "kv_role": "kv_both", "kv_connector": "NixlPushConnector"}
+        if self.dp_size > 1:
+            info["data_parallel_ranks"] = [
+                {"rank": r, "engine_id": f"engine-{self.name}_dp{r}", "kv_host": "127.0.0.1",
+                 "kv_port": self.kv_port + r, "alive": r not in self.dead_ranks}
+                for r in range(self.dp_size)]
+        return info
 
     def generation_legs(self) -> list[Leg]:
         return [leg for leg in self.legs if leg.path.startswith("/v1/")]
@@ -171,6 +181,9 @@ class FakeBackend:
         if not await self._hold(request, delay, gated=hold == "before"):
             leg.finish("cancelled")
             return Response(status_code=499)
+        if body.get("data_parallel_rank") in self.dead_ranks:
+            leg.finish("error")
+            return _err(f"data-parallel engine {body['data_parallel_rank']} is dead", 503)
         if self.behaviour in ("error400", "error500"):
             leg.finish("error")
             status = int(self.behaviour[-3:])
@@ -523,6 +536,54 @@ def test_unreadable_kv_info_moves_to_another_prefill(cluster: Cluster) -> None:
     assert not p1.legs and len(p2.legs) == 2
     assert {leg.body["kv_transfer_params"]["remote_engine_id"] for leg in d.legs} == {
         "engine-p2"}
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_data_parallel_prefill_legs_name_the_rank(cluster: Cluster, mode: str) -> None:
+    """A P whose /kv_transfer/info lists data_parallel_ranks: each P leg is pinned to one
+    rank (least outstanding, ties round-robin), a push D leg names that rank's engine id and
+    side channel; a rank that fails is re-read as dead and gets no more legs."""
+    p, d = cluster.fake("p"), cluster.fake("d")
+    p.dp_size = 2
+    proxy = cluster.proxy([p], [d], mode=mode, health_interval=60)
+    for _ in range(4):
+        assert post(proxy, BODY).status_code == 200
+    wait_until(lambda: len(p.legs) == 4, what="four prefill legs")
+    assert [leg.body["data_parallel_rank"] for leg in p.legs] == [0, 1, 0, 1]
+    if mode == "push":
+        assert [(leg.body["kv_transfer_params"]["remote_engine_id"],
+                 leg.body["kv_transfer_params"]["remote_port"]) for leg in d.legs] == [
+            ("engine-p_dp0", p.kv_port), ("engine-p_dp1", p.kv_port + 1)] * 2
+    p.dead_ranks, d.delay = {1}, 0.3  # D answers after P's failure is seen (push)
+    for _ in range(4):  # the leg to rank 1 fails (D recomputes), then rank 0 takes all
+        assert post(proxy, BODY).status_code == 200
+    wait_until(lambda: len(p.legs) == 8, what="eight prefill legs")
+    assert [leg.body["data_parallel_rank"] for leg in p.legs[4:]] == [0, 1, 0, 0]
+    assert all(b.rank_outstanding.get(r, 0) == 0 for b in proxy.state.prefill.backends
+               for r in (0, 1))
+
+
+@pytest.mark.parametrize("ranks, error", [
+    ("x", "data_parallel_ranks is not a list"),
+    ([{"engine_id": "e", "kv_host": "h", "kv_port": 1}], "data_parallel_ranks[0] lacks 'rank'"),
+    ([{"rank": 0, "engine_id": "", "kv_host": "h", "kv_port": 1}], "bad engine_id/kv_host"),
+    ([{"rank": -1, "engine_id": "e", "kv_host": "h", "kv_port": 1}], "bad rank=-1"),
+])
+def test_malformed_data_parallel_ranks_are_named(ranks: Any, error: str) -> None:
+    info = {**FakeBackend("p").info(), "data_parallel_ranks": ranks}
+    with pytest.raises(KVInfoError, match=re.escape(error)):
+        PrefillCoordinates.from_json(info, "http://p")
+
+
+def test_prefill_without_ranks_gets_no_rank_pinned(cluster: Cluster) -> None:
+    p, d = cluster.fake("p"), cluster.fake("d")
+    proxy = cluster.proxy([p], [d], mode="pull")
+    assert post(proxy, BODY).status_code == 200
+    p.info_status = 404  # a P without /kv_transfer/info still works in pull mode
+    proxy.state.dispatcher.kv_info.invalidate(p.url)
+    for _ in range(2):
+        assert post(proxy, BODY).status_code == 200
+    assert all("data_parallel_rank" not in leg.body for leg in p.legs)
 
 
 # ---- failures -------------------------------------------------------------------------------

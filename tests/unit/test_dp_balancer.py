@@ -6,7 +6,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.dp.balancer import Balancer
-from engine.dp.config import PD_WITH_DP_ERROR, check_request_rank, rank_config
+from engine.dp.config import check_request_rank, default_request_rank, rank_config
 from engine.dp.coordinator import Coordinator
 from engine.dp.messages import (
     ENCODER,
@@ -98,10 +98,14 @@ def test_wave_starts_on_first_request_and_ends_when_all_idle():
 
 
 def test_config_rules(tiny_model):
-    with pytest.raises(ValueError, match="P/D with data_parallel_size > 1"):
-        EngineConfig(model=tiny_model, data_parallel_size=2,
-                     kv_transfer_config={"kv_connector": "NixlPushConnector"})
-    assert PD_WITH_DP_ERROR.startswith("P/D")
+    p = EngineConfig(model=tiny_model, data_parallel_size=2,
+                     kv_transfer_config={"kv_connector": "NixlPushConnector", "engine_id": "p",
+                                         "kv_role": "kv_producer", "kv_port": 7100})
+    assert rank_config(p, 1).kv_transfer_config.engine_id == "p_dp1"
+    # an unpinned push P leg goes to rank 0 (the top level of /kv_transfer/info)
+    assert default_request_rank(p, {"do_remote_decode": True}) == 0
+    assert default_request_rank(p, {"do_remote_prefill": True}) is None
+    assert default_request_rank(p, None) is None
     d = EngineConfig(model=tiny_model, data_parallel_size=2,
                      kv_transfer_config={"kv_connector": "NixlPushConnector", "engine_id": "d",
                                          "kv_role": "kv_consumer", "kv_port": 7000})
