@@ -605,9 +605,14 @@ def test_prefill_connection_error_takes_it_out_and_decode_recomputes(cluster: Cl
     proxy = cluster.proxy([p1, p2], [d], health_interval=60)  # only the failure can tell
     for _ in range(2):  # both P's coordinates are cached now
         assert post(proxy, BODY).status_code == 200
+    # push sends both legs at once: D may answer before a P leg lands, so wait on the legs
+    wait_until(lambda: len(p1.legs) + len(p2.legs) == 2, what="the first two prefill legs")
     p1.server.stop()
-    for _ in range(3):
+    for sent in range(1, 4):
         assert post(proxy, BODY).status_code == 200  # D answers in any case
+        # settled: every prefill leg sent since the stop landed on p2 or failed on p1
+        wait_until(lambda n=sent: len(p2.legs) - 1 + (not proxy.healthy(p1.url)) == n,
+                   what=f"prefill leg {sent} after the stop settled")
     assert not proxy.healthy(p1.url) and proxy.healthy(p2.url)
     # one of the three went to the dead P (no leg arrived), the next two to p2
     assert len(p1.legs) == 1 and len(p2.legs) == 3 and len(d.legs) == 5
