@@ -15,7 +15,7 @@ import logging
 import threading
 from typing import Any
 
-from engine.client.base import AsyncEngineCoreClient, EngineDeadError
+from engine.client.base import AsyncEngineCoreClient, EngineDeadError, next_output
 from engine.client.mp_base import UtilityCallError
 from engine.config import EngineConfig
 from engine.core.busy_loop import EngineCoreLoop, InputKind
@@ -138,11 +138,7 @@ class AsyncInprocClient(AsyncEngineCoreClient):
     async def get_output_async(self) -> EngineCoreOutputs:
         self._start()
         assert self._outputs is not None
-        item = await self._outputs.get()
-        if isinstance(item, EngineDeadError):
-            self._outputs.put_nowait(item)
-            raise EngineDeadError(str(item))
-        return item
+        return await next_output(self._outputs)
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         self._start()

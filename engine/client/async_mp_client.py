@@ -14,7 +14,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from engine.client.base import AsyncEngineCoreClient, EngineDeadError
+from engine.client.base import AsyncEngineCoreClient, EngineDeadError, next_output
 from engine.client.mp_base import POLL_MS, MPClientBase
 from engine.config import EngineConfig
 from engine.core.messages import UtilityCall
@@ -118,11 +118,7 @@ class AsyncMPClient(MPClientBase, AsyncEngineCoreClient):
     async def get_output_async(self) -> EngineCoreOutputs:
         self._start()
         assert self._outputs is not None
-        item = await self._outputs.get()
-        if isinstance(item, EngineDeadError):
-            self._outputs.put_nowait(item)
-            raise EngineDeadError(str(item))
-        return item
+        return await next_output(self._outputs)
 
     async def call_utility_async(self, method: str, *args: Any,
                                  timeout: float | None = None) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -13,6 +14,16 @@ class EngineDeadError(RuntimeError):
 
     def __init__(self, message: str = "EngineCore died unexpectedly") -> None:
         super().__init__(message)
+
+
+async def next_output(outputs: asyncio.Queue[Any]) -> EngineCoreOutputs:
+    """The next item of an async client's output queue. An EngineDeadError put there is
+    sticky: it goes back for the next waiter and is raised to this one."""
+    item = await outputs.get()
+    if isinstance(item, EngineDeadError):
+        outputs.put_nowait(item)
+        raise EngineDeadError(str(item))
+    return item
 
 
 class EngineCoreClient(ABC):

@@ -28,7 +28,7 @@ import zmq
 import zmq.asyncio
 
 from engine.client.async_mp_client import AsyncMPClient, cancel_task
-from engine.client.base import AsyncEngineCoreClient, EngineDeadError
+from engine.client.base import AsyncEngineCoreClient, EngineDeadError, next_output
 from engine.config import EngineConfig
 from engine.dp.balancer import Balancer
 from engine.dp.config import default_request_rank, rank_config
@@ -207,11 +207,7 @@ class DPLBAsyncClient(AsyncEngineCoreClient):
 
     async def get_output_async(self) -> EngineCoreOutputs:
         self._start()
-        item = await self._outputs.get()
-        if isinstance(item, EngineDeadError):
-            self._outputs.put_nowait(item)
-            raise EngineDeadError(str(item))
-        return item
+        return await next_output(self._outputs)
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         """Runs on every live engine. get_stats: sums plus `engines` (per rank) and

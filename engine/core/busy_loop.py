@@ -132,10 +132,14 @@ class EngineCoreLoop:
         elif time.perf_counter() - started < _EMPTY_STEP_S:
             # Work exists but nothing could run (e.g. waiting for remote KV): give the
             # connector / I/O threads the GIL instead of spinning, and wake on new input.
-            try:
-                self._handle(*self.input_queue.get(timeout=_EMPTY_STEP_S))
-            except queue.Empty:
-                pass
+            self._handle_next(_EMPTY_STEP_S)
+
+    def _handle_next(self, timeout: float) -> None:
+        """Handle the next input if one arrives within `timeout` seconds."""
+        try:
+            self._handle(*self.input_queue.get(timeout=timeout))
+        except queue.Empty:
+            pass
 
     def _handle(self, kind: InputKind, payload: Any) -> None:
         if kind is InputKind.ADD:

@@ -12,7 +12,6 @@ A dummy step here runs no model (the model runner is not ours to change); it wai
 
 from __future__ import annotations
 
-import queue
 from typing import Any
 
 from engine.core.busy_loop import EngineCoreLoop, InputKind
@@ -49,10 +48,7 @@ class LockstepLoop(EngineCoreLoop):
 
     def _dummy_step(self) -> None:
         self.num_dummy_steps += 1
-        try:
-            self._handle(*self.input_queue.get(timeout=DUMMY_STEP_S))
-        except queue.Empty:
-            pass
+        self._handle_next(DUMMY_STEP_S)
 
     def _handle(self, kind: InputKind, payload: Any) -> None:
         if kind is InputKind.DP_CONTROL:
