@@ -52,3 +52,21 @@ class Stream(threading.Thread):
             if e != "[DONE]" and json.loads(e).get("usage"):
                 return json.loads(e)["usage"]["completion_tokens"]
         return None
+
+
+def assert_died_fast(streams: list[Stream], killed: float, server) -> None:
+    """After the engine (or one of its workers) was killed at `killed`: every stream ended
+    within 2 s, with `engine_dead` where an error event came; /health and new requests
+    answer 503; the API server process itself is still up (it neither hangs nor crashes)."""
+    for s in streams:
+        s.join(10)
+        assert s.ended_at is not None and s.ended_at - killed < 2.0
+        errors = [json.loads(e) for e in s.events if e != "[DONE]" and "error" in json.loads(e)]
+        assert s.error is not None or errors, s.events[-3:]
+        if errors:
+            assert errors[-1]["error"]["code"] == "engine_dead"
+    r = httpx.get(server.url + "/health", timeout=5)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x"}, timeout=5)
+    assert r.status_code == 503
+    assert server.process.poll() is None

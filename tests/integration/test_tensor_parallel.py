@@ -4,7 +4,6 @@ and the API server keeps answering; P/D roles with TP > 1 are refused naming why
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,7 +14,7 @@ import httpx
 import psutil
 import pytest
 from pd_harness import wait_until
-from server_streams import Stream
+from server_streams import Stream, assert_died_fast
 
 from engine.server.launcher import launch_server
 
@@ -71,18 +70,7 @@ def test_killing_one_worker_fails_every_request_fast_and_the_server_answers(tp_s
     core = survivors[0].parent()
     os.kill(pids[1], signal.SIGKILL)
     killed = time.monotonic()
-    for s in streams:
-        s.join(10)
-        assert s.ended_at is not None and s.ended_at - killed < 2.0
-        errors = [json.loads(e) for e in s.events if e != "[DONE]" and "error" in json.loads(e)]
-        assert s.error is not None or errors, s.events[-3:]
-        if errors:
-            assert errors[-1]["error"]["code"] == "engine_dead"
-    r = httpx.get(tp_server.url + "/health", timeout=5)
-    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
-    r = httpx.post(tp_server.url + "/v1/completions", json={"prompt": "x"}, timeout=5)
-    assert r.status_code == 503
-    assert tp_server.process.poll() is None
+    assert_died_fast(streams, killed, tp_server)
     # No orphans: the engine core and the other worker go away too.
     wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
                                for p in [core, *survivors]), 30, "core and worker 0 to exit")
