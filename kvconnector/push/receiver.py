@@ -170,6 +170,7 @@ class Receiver:
         state = self._state(rid)
         if state is RecvState.WAITING:
             self.failed_recving[rid] = f"prefill engine will not write: {reason}"
+            self.stats["kv_recv_failed_total"] += 1
         elif state is not RecvState.QUARANTINED:  # cancelled: its failure is already told
             logger.warning("PUSH_FAIL for unknown request %s dropped", rid)
             return

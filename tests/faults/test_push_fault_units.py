@@ -395,3 +395,24 @@ def test_a_probe_tells_a_restarted_p_from_the_one_d_knew():
     assert probe_verdict(refused, None, "P0-tp0", b"blob-1") == GONE
     timeout = HandshakeError("127.0.0.1:1", "timeout", "no reply within 3.0 s")
     assert probe_verdict(timeout, None, "P0-tp0", b"blob-1") == SILENT
+
+
+@pytest.mark.parametrize("how", ["push_fail", "watchdog", "p_dead"])
+def test_every_failed_receipt_counts_kv_recv_failed_once(how):
+    """`kv_recv_failed_total` is the requests whose remote KV could not be received
+    (docs/design.md §3), whichever way the receipt failed; a late word on the same
+    request adds nothing."""
+    clock, t, peers = Clock(), FakeTransport(LOADED), FakePeers("P0-tp0")
+    r = _d_receiver(clock, t, peers)
+    r.on_registration(Registration("d-1", "t-1", [7, 8], 0, 20, "P0", "127.0.0.1", 7001, 1))
+    r.poll()
+    if how == "push_fail":
+        r.on_push_fail("d-1", "WRITE submission failed", "P0-tp0")
+    elif how == "watchdog":
+        r.on_watchdog("d-1")
+    else:
+        r.on_probe(("127.0.0.1", 7001), SILENT)
+        r.on_probe(("127.0.0.1", 7001), SILENT)
+    assert "d-1" in r.failed_recving
+    r.on_push_fail("d-1", "late", "P0-tp0")  # after a cancel: already told
+    assert r.stats["kv_recv_failed_total"] == 1
