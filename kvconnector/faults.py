@@ -14,6 +14,8 @@ transport every engine otherwise runs has none of this on its path. Keys:
 - ``delay_write_completion_s``: `check` reports "PROC" until this long after submission.
 - ``probability`` (default 1.0) and ``seed``: each listed fault fires per operation with this
   probability from a seeded RNG (soak tests). ``max_faults``: stop injecting after this many.
+- ``ranks``: list of tensor-parallel ranks whose transport injects (default: every rank), so a
+  test can make one rank of a TP engine fail or stall while the others work.
 Injected faults are counted in ``fault_counts`` by name.
 
 Threads: as `NixlTransport` (the transfer thread; its lock guards the delayed notifications).
@@ -49,6 +51,7 @@ class FaultInjection:
     probability: float = 1.0
     seed: int | None = None
     max_faults: int | None = None
+    ranks: frozenset[int] | None = None  # None: every rank
 
     def __post_init__(self) -> None:
         for kind in (*self.drop_notif, *self.delay_notif):
@@ -67,6 +70,8 @@ class FaultInjection:
         data = dict(data)
         data["drop_notif"] = frozenset(data.get("drop_notif", ()))
         data["delay_notif"] = {k: float(v) for k, v in dict(data.get("delay_notif", {})).items()}
+        if data.get("ranks") is not None:
+            data["ranks"] = frozenset(int(r) for r in data["ranks"])
         return cls(**data)
 
 
@@ -77,6 +82,8 @@ class FaultyTransport(NixlTransport):
                  backends: tuple[str, ...] | list[str] = ("UCX",),
                  fault_injection: dict[str, Any] | None = None, **kw: Any) -> None:
         self.faults = FaultInjection.from_dict(fault_injection or {})
+        if self.faults.ranks is not None and kw.get("tp_rank", 0) not in self.faults.ranks:
+            self.faults = FaultInjection()  # another rank's faults: this one injects none
         self.fault_counts: dict[str, int] = {}
         self._rng = random.Random(self.faults.seed)
         self._delayed: list[tuple[float, str, bytes]] = []  # (due, peer, notification)

@@ -523,3 +523,30 @@ def test_seeded_probabilistic_faults_repeat_exactly() -> None:
     finally:
         for t in (a, b, sink):
             t.shutdown()
+
+
+def test_faults_limited_to_ranks_spare_the_other_ranks() -> None:
+    """`ranks` makes one rank of a TP engine fail while the others write (TP fault tests)."""
+    import torch
+
+    from kvconnector.nixl import NixlTransport, TransferError
+
+    faults = {"fail_write": True, "ranks": [1]}
+    caches = [torch.zeros((NUM_BLOCKS, *BLOCK_SHAPE)) for _ in range(3)]
+    bpb = caches[0][0].numel() * 4
+    ranks = [NixlTransport(f"ranks-{r}", caches[r], bpb, fault_injection=faults, tp_rank=r,
+                           tp_size=2) for r in (0, 1)]
+    sink = NixlTransport("ranks-sink", caches[2], bpb)
+    try:
+        for t in ranks:
+            t.add_peer(sink.local_metadata())
+        handle = ranks[0].write("ranks-sink", [1], [1])
+        while ranks[0].check(handle) == "PROC":
+            sink.get_new_notifs()
+        assert ranks[0].release(handle) and ranks[0].fault_counts == {}
+        with pytest.raises(TransferError, match="injected"):
+            ranks[1].write("ranks-sink", [2], [2])
+        assert ranks[1].fault_counts == {"fail_write": 1}
+    finally:
+        for t in (*ranks, sink):
+            t.shutdown()
