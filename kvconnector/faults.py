@@ -14,8 +14,9 @@ transport every engine otherwise runs has none of this on its path. Keys:
 - ``delay_write_completion_s``: `check` reports "PROC" until this long after submission.
 - ``probability`` (default 1.0) and ``seed``: each listed fault fires per operation with this
   probability from a seeded RNG (soak tests). ``max_faults``: stop injecting after this many.
-- ``ranks``: list of tensor-parallel ranks whose transport injects (default: every rank), so a
-  test can make one rank of a TP engine fail or stall while the others work.
+- ``by_rank``: ``{tp_rank: {key: value}}`` — what the transport of that tensor-parallel rank
+  injects on top of (replacing) the keys above, so a test can make one rank of a TP engine fail
+  or stall while the others work: ``{"by_rank": {"1": {"fail_write": true}}}``.
 Injected faults are counted in ``fault_counts`` by name.
 
 Threads: as `NixlTransport` (the transfer thread; its lock guards the delayed notifications).
@@ -51,7 +52,6 @@ class FaultInjection:
     probability: float = 1.0
     seed: int | None = None
     max_faults: int | None = None
-    ranks: frozenset[int] | None = None  # None: every rank
 
     def __post_init__(self) -> None:
         for kind in (*self.drop_notif, *self.delay_notif):
@@ -70,9 +70,14 @@ class FaultInjection:
         data = dict(data)
         data["drop_notif"] = frozenset(data.get("drop_notif", ()))
         data["delay_notif"] = {k: float(v) for k, v in dict(data.get("delay_notif", {})).items()}
-        if data.get("ranks") is not None:
-            data["ranks"] = frozenset(int(r) for r in data["ranks"])
         return cls(**data)
+
+
+def for_rank(fault_injection: dict[str, Any], tp_rank: int) -> dict[str, Any]:
+    """The faults tensor-parallel rank `tp_rank` injects: the top level, `by_rank` over it."""
+    faults = dict(fault_injection)
+    by_rank = {int(r): dict(v) for r, v in dict(faults.pop("by_rank", {})).items()}
+    return {**faults, **by_rank.get(tp_rank, {})}
 
 
 class FaultyTransport(NixlTransport):
@@ -81,9 +86,8 @@ class FaultyTransport(NixlTransport):
     def __init__(self, name: str, kv_cache: Any, bytes_per_block: int,
                  backends: tuple[str, ...] | list[str] = ("UCX",),
                  fault_injection: dict[str, Any] | None = None, **kw: Any) -> None:
-        self.faults = FaultInjection.from_dict(fault_injection or {})
-        if self.faults.ranks is not None and kw.get("tp_rank", 0) not in self.faults.ranks:
-            self.faults = FaultInjection()  # another rank's faults: this one injects none
+        self.faults = FaultInjection.from_dict(for_rank(fault_injection or {},
+                                                        kw.get("tp_rank", 0)))
         self.fault_counts: dict[str, int] = {}
         self._rng = random.Random(self.faults.seed)
         self._delayed: list[tuple[float, str, bytes]] = []  # (due, peer, notification)

@@ -525,13 +525,13 @@ def test_seeded_probabilistic_faults_repeat_exactly() -> None:
             t.shutdown()
 
 
-def test_faults_limited_to_ranks_spare_the_other_ranks() -> None:
-    """`ranks` makes one rank of a TP engine fail while the others write (TP fault tests)."""
+def test_faults_by_rank_spare_the_other_ranks() -> None:
+    """`by_rank` makes one rank of a TP engine fail while the others write (TP fault tests)."""
     import torch
 
     from kvconnector.nixl import NixlTransport, TransferError
 
-    faults = {"fail_write": True, "ranks": [1]}
+    faults = {"by_rank": {"1": {"fail_write": True}}}
     caches = [torch.zeros((NUM_BLOCKS, *BLOCK_SHAPE)) for _ in range(3)]
     bpb = caches[0][0].numel() * 4
     ranks = [NixlTransport(f"ranks-{r}", caches[r], bpb, fault_injection=faults, tp_rank=r,
