@@ -111,6 +111,8 @@ class EngineCore:
     def get_stats(self) -> dict[str, Any]:
         """Block and table accounting plus the current scheduler stats, fresh (metrics
         scrapes and leak checks use it)."""
+        if self.tp_executor is not None and self.worker_connector is not None:
+            self.worker_connector.refresh_stats()  # the ranks' counters, also when idle
         sched = self.make_stats()
         stats: dict[str, Any] = {
             "num_running_reqs": sched.num_running_reqs,

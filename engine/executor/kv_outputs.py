@@ -5,7 +5,9 @@ finished. `KVOutputAggregator` turns the N per-rank reports into the one the sch
 expects: a request's blocks may be freed (`finished_sending`) and its remote KV has landed
 (`finished_recving`) only once **every** rank said so; a failed receipt on any rank fails the
 request at once (the scheduler recomputes or fails it), and the other ranks' later word on
-it is dropped. Counters are the per-rank cumulative counters summed.
+it is dropped. Counters are the per-rank cumulative counters summed: as of each rank's last
+step report, or fresh from every rank when a scrape asks (`TPConnectorView.refresh_stats`;
+an idle engine takes no steps, yet its ranks' writer threads count what peers send).
 
 Thread: the engine-core thread only.
 """
@@ -41,7 +43,7 @@ class KVOutputAggregator:
         for rank, raw in enumerate(outputs):
             out = raw if isinstance(raw, KVConnectorOutput) else msgspec.convert(
                 raw or {}, KVConnectorOutput)
-            self._stats[rank] = out.stats
+            self.set_stats(rank, out.stats)
             for rid, reason in out.failed_recving.items():
                 if rid not in self._failed:
                     self._failed.add(rid)
@@ -56,6 +58,9 @@ class KVOutputAggregator:
                     self._failed.discard(rid)
         result.finished_recving -= result.failed_recving.keys()
         return result
+
+    def set_stats(self, rank: int, stats: dict[str, float]) -> None:
+        self._stats[rank] = stats
 
     def stats(self) -> dict[str, float]:
         total: dict[str, float] = {}
@@ -78,6 +83,11 @@ class TPConnectorView(KVConnectorWorker):
 
     def get_stats(self) -> dict[str, float]:
         return self.aggregator.stats()
+
+    def refresh_stats(self) -> None:
+        """Read every rank's counters now (a scrape; each step's report refreshes them too)."""
+        for rank, stats in enumerate(self.executor.collective_rpc("kv_stats")):
+            self.aggregator.set_stats(rank, stats)
 
     def table_sizes(self) -> dict[str, int]:
         total = Counter(self.aggregator.table_sizes())

@@ -62,6 +62,7 @@ RPC_TYPES: dict[str, tuple[Any, Any]] = {
     "num_requests": (None, int),
     "kv_cache_spec": (None, KVCacheSpec),  # with a KV connector: rank 0's layout
     "kv_table_sizes": (None, dict[str, int]),  # the rank's connector tables (leak checks)
+    "kv_stats": (None, dict[str, float]),  # the rank's connector counters, now (scrapes)
     "shutdown": (None, None),
 }
 

@@ -66,6 +66,9 @@ class Worker:
     def kv_table_sizes(self, _: None) -> dict[str, int]:
         return {} if self.connector is None else self.connector.table_sizes()
 
+    def kv_stats(self, _: None) -> dict[str, float]:
+        return {} if self.connector is None else self.connector.get_stats()
+
     def describe(self, _: None) -> m.WorkerInfo:
         r = self.runner
         return m.WorkerInfo(rank=self.rank, pid=os.getpid(), num_kv_blocks=r.num_kv_blocks,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.executor.kv_outputs import KVOutputAggregator
+from engine.executor.kv_outputs import KVOutputAggregator, TPConnectorView
 from engine.kv_connector import KVConnectorOutput
 
 
@@ -36,3 +36,27 @@ def test_counters_are_summed_over_ranks_and_typed_outputs_pass():
     agg = KVOutputAggregator(2)
     agg.combine([KVConnectorOutput(stats={"w": 3}), _out(stats={"w": 4, "x": 1})])
     assert agg.stats() == {"w": 7, "x": 1}
+
+
+class _Ranks:
+    """The executor's collective RPC as the view sees it: each rank's counters now."""
+
+    def __init__(self, *stats: dict[str, float]) -> None:
+        self.stats = list(stats)
+
+    def collective_rpc(self, method: str) -> list[dict[str, float]]:
+        assert method == "kv_stats"
+        return self.stats
+
+
+def test_a_scrape_reads_the_ranks_counters_even_when_no_step_reported_them():
+    """An idle TP engine takes no steps, yet its ranks count what peers send (a P that got
+    D's registrations before its own request arrived): a scrape must show it."""
+    agg = KVOutputAggregator(2)
+    agg.combine([_out(stats={"kv_push_registrations_received_total": 1}), _out()])
+    ranks = _Ranks({"kv_push_registrations_received_total": 2},
+                   {"kv_push_registrations_received_total": 1})
+    view = TPConnectorView(ranks, agg)
+    assert view.get_stats() == {"kv_push_registrations_received_total": 1}  # last step's
+    view.refresh_stats()
+    assert view.get_stats() == {"kv_push_registrations_received_total": 3}
