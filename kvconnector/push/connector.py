@@ -56,7 +56,8 @@ class PushWorker(NixlWorker):
         receiver = Receiver(transport, peers, clock, identity=identity, ttl=self.ttl,
                             hb_interval=self.hb_interval, grace=self.lease / 6,
                             stats={"kv_push_registrations_sent_total": 0,
-                                   "kv_recv_failed_total": 0, "kv_peer_gone_total": 0})
+                                   "kv_recv_failed_total": 0, "kv_peer_gone_total": 0,
+                                   "kv_push_cancel_acks_received_total": 0})
         return PushWriter(transport, peers, sender, receiver, wake, clock)
 
 

@@ -181,6 +181,8 @@ class Receiver:
         if not self._from_p(rid, agent, "PUSH_CANCEL_ACK"):
             return
         if self._state(rid) is RecvState.QUARANTINED:
+            acks = "kv_push_cancel_acks_received_total"
+            self.stats[acks] = self.stats.get(acks, 0) + 1
             self._move(rid, RecvState.SAFE)
             self._settle(rid)
 
