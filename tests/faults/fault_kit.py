@@ -93,6 +93,22 @@ def legs(dep: Deployment, prompt: list[int], tid: str | None, *,
     return p_leg, d_leg
 
 
+def both_legs(dep: Deployment, d: ServerProcess, prompt: list[int], tid: str, **kw: Any
+              ) -> tuple[httpx.Response, float]:
+    """Send both legs at once (as the proxy does), the D leg to `d`; D's response and its
+    latency."""
+    p_leg, d_leg = legs(dep, prompt, tid, **kw)
+
+    async def run() -> tuple[httpx.Response, float]:
+        started = time.monotonic()
+        d_task = asyncio.create_task(post(d.url, d_leg, tid))
+        assert (await post(dep.p.url, p_leg, tid)).status_code == 200
+        out = await d_task
+        return out, time.monotonic() - started
+
+    return asyncio.run(run())
+
+
 def plain(prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
     return {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
 

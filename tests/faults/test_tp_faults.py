@@ -8,6 +8,13 @@
 - Seeded random WRITE failures on P's ranks: a request one rank of which got PUSH_FAIL while
   the other's KV landed is recomputed (a failure on any rank wins), answers stay right, and
   both engines end with every block back and every table empty.
+- One P rank refuses (its WRITEs fail: PUSH_FAIL) while the other writes: D recomputes at
+  once, long before its watchdog, and counts one failed receipt.
+- One D rank's registration never reaches its P rank (a P rank that never answers): D's
+  watchdog gives up on that rank alone and recomputes; the P rank that never got a
+  registration frees its blocks when its lease runs out (D's heartbeats end with the cancel),
+  and D's rank frees its blocks at its quarantine deadline (that P rank never met it, so
+  cannot acknowledge the cancel).
 """
 
 from __future__ import annotations
@@ -17,13 +24,18 @@ import signal
 import time
 
 import psutil
+import pytest
 from fault_kit import (
     assert_d_recovered_from_p_death,
+    both_legs,
     cluster,
+    kv_stat,
+    metric,
     plain,
     prompts,
     stream_sse,
     table,
+    text_of,
     wait_for,
 )
 from pd_harness import assert_no_leaks, engine_stats
@@ -77,3 +89,65 @@ def test_random_write_failures_on_single_ranks_recompute_and_leak_nothing(tiny_m
         assert 0 < recomputed < len(ps)
         assert engine_stats(dep.p)["kv_connector"]["kv_push_writes_total"] > 0
         assert_no_leaks([dep.p, dep.d])
+
+
+TTL, LEASE = 3.0, 2.0
+RANK1_FAILS_WRITES = {"fault_injection": {"by_rank": {"1": {"fail_write": True}}}}
+RANK1_LOSES_REGS = {"fault_injection": {"by_rank": {"1": {"drop_notif": ["PUSH_REG"]}}}}
+
+
+@pytest.fixture(scope="module")
+def one_rank_faults(tiny_model: str):
+    """P's rank 1 cannot WRITE; D0 is healthy; D1's rank 1 loses every PUSH_REG it sends."""
+    with cluster(tiny_model, num_blocks=NUM_BLOCKS, name="tp-one-rank",
+                 extra={"kv_lease_duration": LEASE, "push_registration_timeout": TTL},
+                 p_extra=RANK1_FAILS_WRITES, d_extras=[{}, RANK1_LOSES_REGS],
+                 p_args=TP2, d_args=[TP2, TP2], with_proxy=False) as dep:
+        yield dep
+
+
+def _counts(server, *names: str) -> dict[str, float]:
+    return {n: metric(server, f"pdserve:{n}") for n in names}
+
+
+def _grew(before: dict[str, float], server) -> dict[str, float]:
+    return {n: metric(server, f"pdserve:{n}") - v for n, v in before.items()}
+
+
+def test_push_fail_from_one_p_rank_recomputes_at_once(one_rank_faults, reference):
+    dep, d = one_rank_faults, one_rank_faults.decodes[0]
+    prompt = prompts(1, seed=603, lo=60, hi=60)[0]
+    p_before = _counts(dep.p, "kv_push_writes_total", "kv_push_write_failures_total")
+    d_before = _counts(d, "kv_recv_failed_total", "kv_recompute_fallback_total",
+                       "kv_registration_expired_total")
+    fail_sent = kv_stat(dep.p, "kv_push_fail_sent_total")
+    out, latency = both_legs(dep, d, prompt, "tid-rank1-fails")
+    assert text_of(out) == reference([prompt])[0]
+    assert latency < TTL / 2, f"took {latency:.1f}s: rank 1's PUSH_FAIL did not end the wait"
+    # rank 0 wrote its heads, rank 1 refused: one failed receipt on D, one recompute
+    assert _grew(p_before, dep.p) == {"kv_push_writes_total": 1,
+                                      "kv_push_write_failures_total": 1}
+    assert kv_stat(dep.p, "kv_push_fail_sent_total") == fail_sent + 1
+    assert _grew(d_before, d) == {"kv_recv_failed_total": 1, "kv_recompute_fallback_total": 1,
+                                  "kv_registration_expired_total": 0}
+    assert_no_leaks([dep.p, d])
+
+
+def test_watchdog_gives_up_on_the_one_p_rank_that_never_answers(one_rank_faults, reference):
+    dep, d = one_rank_faults, one_rank_faults.decodes[1]
+    prompt = prompts(1, seed=604, lo=60, hi=60)[0]
+    p_before = _counts(dep.p, "kv_push_registrations_received_total",
+                       "kv_push_writes_total", "kv_lease_expired_total")
+    d_before = _counts(d, "kv_registration_expired_total", "kv_recompute_fallback_total")
+    out, latency = both_legs(dep, d, prompt, "tid-rank1-silent")
+    assert text_of(out) == reference([prompt])[0]
+    assert latency >= TTL * 0.9, f"took {latency:.1f}s: the watchdog did not end the wait"
+    assert _grew(d_before, d) == {"kv_registration_expired_total": 1,
+                                  "kv_recompute_fallback_total": 1}
+    # rank 1's blocks on P: no registration came, D1's heartbeats ended with its cancel
+    wait_for(lambda: metric(dep.p, "pdserve:kv_lease_expired_total")
+             >= p_before["kv_lease_expired_total"] + 1, 3 * LEASE, "P rank 1's lease to expire")
+    assert _grew(p_before, dep.p) == {"kv_push_registrations_received_total": 1,
+                                      "kv_push_writes_total": 1, "kv_lease_expired_total": 1}
+    # D1's rank 1 quarantines until its deadline (2 x ttl after its PUSH_REG)
+    assert_no_leaks([dep.p, d], timeout=4 * TTL)

@@ -7,7 +7,17 @@ import asyncio
 import time
 
 import pytest
-from fault_kit import cluster, free_port, kv_stat, legs, metric, post, prompts, text_of
+from fault_kit import (
+    both_legs,
+    cluster,
+    free_port,
+    kv_stat,
+    legs,
+    metric,
+    post,
+    prompts,
+    text_of,
+)
 from pd_harness import assert_no_leaks
 
 TTL = 5.0
@@ -25,27 +35,12 @@ def dep(tiny_model: str):
         yield d
 
 
-def _both_legs(dep, d_index: int, prompt: list[int], tid: str, **kw) -> tuple[object, float]:
-    """Send both legs at once (as the proxy does); D's response and its latency."""
-    p_leg, d_leg = legs(dep, prompt, tid, **kw)
-    d = dep.decodes[d_index]
-
-    async def run():
-        started = time.monotonic()
-        d_task = asyncio.create_task(post(d.url, d_leg, tid))
-        assert (await post(dep.p.url, p_leg, tid)).status_code == 200
-        out = await d_task
-        return out, time.monotonic() - started
-
-    return asyncio.run(run())
-
-
 def test_lost_registration_fires_the_watchdog_and_recomputes(dep, reference):
     d0 = dep.decodes[0]
     prompt = prompts(1, seed=101, lo=70, hi=70)[0]
     expired = metric(d0, "pdserve:kv_registration_expired_total")
     fallback = metric(d0, "pdserve:kv_recompute_fallback_total")
-    out, latency = _both_legs(dep, 0, prompt, "tid-lost-reg")
+    out, latency = both_legs(dep, d0, prompt, "tid-lost-reg")
     assert text_of(out) == reference([prompt])[0]
     assert latency >= TTL * 0.9  # the watchdog, not luck, ended the wait
     assert metric(d0, "pdserve:kv_registration_expired_total") == expired + 1
@@ -56,7 +51,7 @@ def test_lost_registration_fires_the_watchdog_and_recomputes(dep, reference):
 
 def test_lost_registration_with_fail_policy_is_a_clear_error(dep):
     d1 = dep.decodes[1]
-    out, latency = _both_legs(dep, 1, prompts(1, seed=102)[0], "tid-lost-reg-fail")
+    out, latency = both_legs(dep, d1, prompts(1, seed=102)[0], "tid-lost-reg-fail")
     assert out.status_code >= 400, out.text
     message = out.json()["error"]["message"]
     assert "push_registration_timeout" in message and "tid-lost-reg-fail" in message, message
@@ -69,7 +64,7 @@ def test_failed_write_submission_recovers_long_before_the_watchdog(dep, referenc
     prompt = prompts(1, seed=103, lo=60, hi=60)[0]
     failures = metric(dep.p, "pdserve:kv_push_write_failures_total")
     fail_sent = kv_stat(dep.p, "kv_push_fail_sent_total")
-    out, latency = _both_legs(dep, 2, prompt, "tid-write-fails")
+    out, latency = both_legs(dep, d2, prompt, "tid-write-fails")
     assert text_of(out) == reference([prompt])[0]
     assert latency < TTL / 2, f"took {latency:.1f}s: PUSH_FAIL did not cut the wait short"
     assert metric(dep.p, "pdserve:kv_push_write_failures_total") == failures + 1
