@@ -88,7 +88,11 @@ stop_all() {
     for pid in "${PIDS[@]}" "${kids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
     PIDS=()
 }
-trap stop_all EXIT INT TERM
+# INT/TERM stop the servers and end the script (a trap that returns would let it go on with
+# the next phase); EXIT covers every other way out.
+trap stop_all EXIT
+trap 'stop_all; exit 130' INT
+trap 'stop_all; exit 143' TERM
 
 start() {  # start NAME CORE|- CMD... : in the background, pid in LAST_PID, log in logs/NAME.log
     local name=$1 core=$2; shift 2
@@ -113,10 +117,14 @@ wait_healthy() {  # wait_healthy URL PID
 bench() {  # bench LABEL JSON_NAME ARGS...
     local label=$1 name=$2; shift 2
     log "bench $label"
+    # In the background, waited for: bash runs a trap only once a foreground command has
+    # returned, but a signal ends `wait` at once (and stop_all stops the client too).
     "$BIN/pdserve" bench serve --tokenizer "$MODEL" --model bench --disable-tqdm \
         --goodput $GOODPUT --save-detailed --label "$label" --metric-percentiles 50,90,99,99.9 \
-        --result-json "$RAW/$name.json" "$@" > "$RAW/logs/bench_$name.txt" 2>&1 \
-        || { log "bench $label failed:"; tail -5 "$RAW/logs/bench_$name.txt" >&2; }
+        --result-json "$RAW/$name.json" "$@" > "$RAW/logs/bench_$name.txt" 2>&1 &
+    PIDS+=($!)
+    wait $! || { log "bench $label failed:"; tail -5 "$RAW/logs/bench_$name.txt" >&2; }
+    unset 'PIDS[-1]'
     loadavg "$name"
 }
 
