@@ -134,7 +134,7 @@ class Dispatcher:
             if lease is None:
                 raise self._no_healthy(ctx, self.prefill, errors)
             try:
-                return lease, await self.kv_info.get(lease.url)
+                return lease, await self._kv_info(ctx, lease, self.kv_info.get(lease.url))
             except KVInfoError as exc:
                 lease.release()
                 self.prefill.record_failure(lease.backend, "kv_info", fatal=True)
@@ -148,11 +148,7 @@ class Dispatcher:
         p_lease = self.prefill.choose()
         if p_lease is None:
             raise self._no_healthy(ctx, self.prefill)
-        try:
-            coords = await self.kv_info.get_optional(p_lease.url)
-        except BaseException:  # cancelled: the lease must not leak
-            p_lease.release()
-            raise
+        coords = await self._kv_info(ctx, p_lease, self.kv_info.get_optional(p_lease.url))
         if coords is not None:  # P's answer names the rank's side channel itself
             pin_prefill_rank(p_lease, coords)
         p_body = prefill_leg_body(ctx.body, ctx.route, pull_prefill_params(), p_lease.rank)
@@ -178,6 +174,21 @@ class Dispatcher:
         return self._relay(ctx, stream, None)
 
     # ---- shared steps -------------------------------------------------------------------
+
+    async def _kv_info(self, ctx: RequestContext, lease: Lease, fetch: Coroutine[Any, Any, Any]
+                       ) -> Any:
+        """P's /kv_transfer/info for `lease`, unless the client leaves or the deadline passes
+        first: every way out but an answer (also an error, or being cancelled) releases the
+        lease, as no leg has taken it over yet."""
+        task = asyncio.ensure_future(fetch)
+        try:
+            await self._wait(ctx, {task}, on_give_up=[task],
+                             what=f"prefill backend {lease.url} (/kv_transfer/info)")
+            return task.result()
+        except BaseException:
+            task.cancel()
+            lease.release()
+            raise
 
     def _leg_timeout(self, ctx: RequestContext) -> aiohttp.ClientTimeout:
         # The request deadline is enforced by the waits (here and in the relay), which answer

@@ -92,6 +92,8 @@ class FakeBackend:
         self.legs: list[Leg] = []
         self.health_status = 200
         self.info_status = 200
+        self.info_hold = False  # /kv_transfer/info answers only once `gate` is set
+        self.info_calls = 0
         self.behaviour = "ok"  # ok | error400 | error500 | hang
         self.delay = 0.0  # seconds before answering
         self.token_interval = 0.005
@@ -126,6 +128,9 @@ class FakeBackend:
 
         @app.get("/kv_transfer/info")
         async def info() -> Response:
+            self.info_calls += 1
+            while self.info_hold and not self.gate.is_set():
+                await asyncio.sleep(0.01)
             if self.info_status != 200:
                 return _err("no kv info", self.info_status)
             return JSONResponse(self.info())
@@ -726,6 +731,28 @@ def test_client_disconnect_cancels_both_legs(cluster: Cluster, hold: str) -> Non
     # the client has gone
     assert p.legs[0].wait() == "cancelled"
     assert d.legs[0].wait() == "cancelled"
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_client_gone_while_the_proxy_awaits_kv_info_frees_the_prefill_lease(
+        cluster: Cluster, mode: str) -> None:
+    """P's /kv_transfer/info is slow (its timeout is long): a client that leaves meanwhile
+    ends its request at once, and P's lease with it; no leg is sent."""
+    p, d = cluster.fake("p"), cluster.fake("d")
+    p.info_hold = True
+    proxy = cluster.proxy([p], [d], mode=mode, health_timeout=30.0)
+    backend = proxy.state.prefill.backends[0]
+    payload = json.dumps(dict(BODY, stream=True)).encode()
+    port = int(proxy.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        wait_until(lambda: p.info_calls and backend.outstanding == 1,
+                   what="the proxy to hold P's lease while it asks P's kv info")
+    # the client has gone, P's info still hangs
+    wait_until(lambda: backend.outstanding == 0, timeout=3.0, what="P's lease to be released")
+    assert not p.generation_legs() and not d.generation_legs()
 
 
 def test_request_timeout_bounds_a_hung_request(cluster: Cluster) -> None:
