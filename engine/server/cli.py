@@ -154,8 +154,7 @@ def kv_transfer_info(config: EngineConfig) -> dict[str, Any] | None:
     kv = config.kv_transfer_config
     if kv is None:
         return None
-    ranks = [rank_config(config, r) for r in local_ranks(config)] \
-        if config.data_parallel_size > 1 and not config.data_parallel_external_lb else [config]
+    ranks = _dp_rank_configs(config)
     first = ranks[0].kv_transfer_config
     info = {
         "engine_id": first.engine_id, "kv_host": first.kv_host, "kv_port": first.kv_port,
@@ -173,6 +172,40 @@ def kv_transfer_info(config: EngineConfig) -> dict[str, Any] | None:
     return info
 
 
+def _dp_rank_configs(config: EngineConfig) -> list[EngineConfig]:
+    """The config of every data-parallel engine this server runs (just `config` without DP)."""
+    if config.data_parallel_size > 1 and not config.data_parallel_external_lb:
+        return [rank_config(config, r) for r in local_ranks(config)]
+    return [config]
+
+
+def check_side_channel_ports(config: EngineConfig) -> None:
+    """With a given --kv-port, every rank's side channel (data-parallel rank d at kv_port + d,
+    its tensor-parallel rank t at + t) must be able to bind now: a taken one is a ValueError
+    naming the port and the rank, before any engine starts (not an engine core's bind error
+    after its siblings started)."""
+    kv = config.kv_transfer_config
+    if kv is None or not kv.kv_port:
+        return  # ephemeral ports: chosen free by each side channel
+    ranks = _dp_rank_configs(config)
+    for rank in ranks:
+        rkv = rank.kv_transfer_config
+        assert rkv is not None
+        for tp_rank in range(config.tensor_parallel_size):
+            port = rkv.kv_port + tp_rank
+            try:
+                bind_socket(rkv.kv_host, port).close()
+            except OSError as exc:
+                who = ([f"data-parallel rank {rank.data_parallel_rank}"] if len(ranks) > 1
+                       else []) + ([f"tensor-parallel rank {tp_rank}"]
+                                   if config.tensor_parallel_size > 1 else [])
+                raise ValueError(
+                    f"{', '.join(who) or 'the engine'}: KV side-channel port {port} on "
+                    f"{rkv.kv_host} cannot be bound ({exc.strerror or exc}); --kv-port "
+                    f"{kv.kv_port} puts each rank's side channel at kv_port + rank: free the "
+                    "port or choose another --kv-port") from None
+
+
 def serve_main(args: argparse.Namespace, *, role_defaults: Mapping[str, Any] | None = None
                ) -> int:
     """Entry point of `pdserve serve` (and of the P/D roles). Returns the exit status."""
@@ -183,6 +216,7 @@ def serve_main(args: argparse.Namespace, *, role_defaults: Mapping[str, Any] | N
         from engine.models import load_arch
 
         load_arch(config.model)  # an unusable model is a one-line error, before any process
+        check_side_channel_ports(config)
         settings = ServerSettings(api_key=args.api_key, public_metrics=args.public_metrics,
                                   max_request_body_bytes=args.max_request_body_bytes,
                                   kv_transfer_info=kv_transfer_info(config))

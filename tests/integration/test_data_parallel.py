@@ -245,3 +245,29 @@ def test_engine_death_fails_its_requests_and_the_others_keep_serving(servers):
     r = client.completions.create(model=MODEL, prompt="no coordinator", max_tokens=2)
     assert r.choices[0].finish_reason == "length"
     assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize(("flags", "who"), [
+    (("--data-parallel-size", "2"), "data-parallel rank 1"),
+    (("--tensor-parallel-size", "2"), "tensor-parallel rank 1"),
+], ids=["dp", "tp"])
+def test_a_taken_side_channel_port_of_a_rank_is_a_clear_error_at_start(tiny_model, flags, who):
+    """Rank 1 serves its side channel at --kv-port + 1: taken, the server refuses to start,
+    naming the port and the rank, before any engine process exists."""
+    import socket
+    import subprocess
+    import sys
+
+    from engine.server.launcher import free_port
+
+    base = free_port(count=2)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base + 1))
+        taken.listen()
+        r = subprocess.run([sys.executable, "-m", "engine.cli", "prefill", tiny_model,
+                            "--port", str(free_port()), "--kv-port", str(base), *flags,
+                            "--kv-connector", "NixlPushConnector", "--engine-id", "P0"],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"{who}: KV side-channel port {base + 1} on 127.0.0.1 cannot be bound" in r.stderr
+    assert "Traceback" not in r.stderr
