@@ -76,8 +76,11 @@ class FaultInjection:
 def for_rank(fault_injection: dict[str, Any], tp_rank: int) -> dict[str, Any]:
     """The faults tensor-parallel rank `tp_rank` injects: the top level, `by_rank` over it."""
     faults = dict(fault_injection)
-    by_rank = {int(r): dict(v) for r, v in dict(faults.pop("by_rank", {})).items()}
-    return {**faults, **by_rank.get(tp_rank, {})}
+    by_rank = dict(faults.pop("by_rank", {}))
+    if not all(str(r).isdigit() and isinstance(v, dict) for r, v in by_rank.items()):
+        raise ValueError(f"fault_injection: by_rank maps tensor-parallel ranks to fault "
+                         f"dicts, got {by_rank!r}")
+    return {**faults, **by_rank.get(str(tp_rank), by_rank.get(tp_rank, {}))}
 
 
 class FaultyTransport(NixlTransport):

@@ -479,6 +479,13 @@ def test_fault_injection_config_is_strict() -> None:
         FaultInjection.from_dict({"fail_write": True, "probability": 2})
     parsed = FaultInjection.from_dict({"drop_notif": ["HB"], "delay_notif": {"PUSH_FAIL": 1}})
     assert parsed.drop_notif == frozenset({"HB"}) and parsed.delay_notif == {"PUSH_FAIL": 1.0}
+    from kvconnector.faults import for_rank
+
+    with pytest.raises(ValueError, match="by_rank maps tensor-parallel ranks"):
+        for_rank({"by_rank": {"one": {"fail_write": True}}}, 1)
+    faults = {"fail_read": True, "by_rank": {"1": {"fail_write": True, "fail_read": False}}}
+    assert for_rank(faults, 0) == {"fail_read": True}
+    assert for_rank(faults, 1) == {"fail_read": False, "fail_write": True}
 
 
 def test_count_runs_counts_runs_consecutive_on_both_sides() -> None:
