@@ -15,6 +15,7 @@ Pure functions over plain data: nothing here touches NIXL or a thread.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -52,6 +53,16 @@ class HeadLayout:
         row = self.heads * self.head_bytes
         return (np.arange(self.runs_per_block, dtype=np.uint64) * np.uint64(row)
                 + np.uint64((h0 - self.first_head) * self.head_bytes))
+
+
+def rank_layout(spec: Any, total_heads: int, rank: int, size: int) -> HeadLayout:
+    """Rank `rank` of `size`'s layout for an engine's `KVCacheSpec` (heads: the rank's); its
+    first head as the model shards it (models/parallel.TPLayout: replicated when fewer KV heads
+    than ranks)."""
+    per_block = spec.num_layers * 2 * spec.block_size * spec.num_kv_heads * spec.head_dim
+    return HeadLayout(spec.num_layers, spec.block_size, spec.num_kv_heads,
+                      rank * total_heads // size, total_heads, spec.head_dim,
+                      spec.bytes_per_block // per_block)
 
 
 def overlap(a: HeadLayout, b: HeadLayout) -> tuple[int, int] | None:
