@@ -465,6 +465,25 @@ def test_bench_transfer_reports_design_keys_and_moves_the_right_bytes(tmp_path) 
         result["gbps"] / result["memcpy_gbps"], rel=0.01)
 
 
+def test_bench_transfer_split_heads_writes_half_the_heads_as_runs(tmp_path) -> None:
+    """P holds KV head 0 of 2 (a TP=2 rank) and writes it into D's blocks holding both: one
+    descriptor per (block, layer, K/V, token), landing in head 0 of D's blocks only."""
+    import json
+
+    from kvconnector import bench_transfer
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "hidden_size": 64}))
+    result = bench_transfer.run(str(model), num_tokens=100, block_size=16, iters=2, warmup=1,
+                                layout="scattered", split_heads=True)
+    assert result["bytes"] == 7 * 2 * 2 * 16 * 1 * 16 * 4  # one of the 2 heads
+    assert result["descriptors"] == 7 * 2 * 2 * 16 and result["whole_descriptors"] == 7
+    assert result["verified"] is True and result["split_over_whole_write_time"] > 0
+
+
 # ---------------------------------------------------------------- in-process details
 
 
