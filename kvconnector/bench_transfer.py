@@ -61,10 +61,6 @@ class Shape:
     head_dim: int
     block_size: int
 
-    @property
-    def bytes_per_block(self) -> int:
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * 4
-
     def cache_shape(self, num_blocks: int, heads: int) -> tuple[int, ...]:
         return (num_blocks, self.num_layers, 2, self.block_size, heads, self.head_dim)
 

@@ -257,13 +257,15 @@ class Sender:
         the tombstone refuses a late PUSH_REG. Without the ACK, D would quarantine the blocks
         for 2 * ttl (e.g. after a lost completion)."""
         writes = [w for w in self.inflight.values() if w.reg.reg.request_id == d_request_id]
-        writes = [w for w in writes if w.reg.agent in (None, agent)] or writes
-        if writes:
-            if self._owner(writes[0].reg, agent, "PUSH_CANCEL"):
-                writes[0].ack_cancel = True  # acknowledged once the WRITE is over
+        mine = [w for w in writes if agent is None or w.reg.agent in (None, agent)]
+        if mine:
+            mine[0].ack_cancel = True  # acknowledged once the WRITE is over
             return
         key = self._key_of(d_request_id, agent)
         held = self.regs.get(key)
+        if held is None and writes:  # another agent's WRITE, nothing of this agent's
+            self._owner(writes[0].reg, agent, "PUSH_CANCEL")  # refused
+            return
         if held is not None and not self._owner(held, agent, "PUSH_CANCEL"):
             return
         pending = self.regs.pop(key, None)

@@ -153,3 +153,24 @@ def test_p_refuses_a_registration_from_a_d_rank_holding_none_of_its_heads():
                stats=SenderStats(), tp_rank=1)
     s.on_registration(_reg(0), agent="D0-tp0")  # D TP=2 rank 0 holds P TP=2 rank 0's heads
     assert not s.regs and s.stats.counters["kv_push_registrations_refused_total"] == 1
+
+
+class SlowWrite(FakeTransport):
+    def check(self, handle: object) -> str:
+        return "PROC"
+
+
+def test_p_cancels_one_d_ranks_registration_while_writing_another():
+    t, peers = SlowWrite(("D0-tp0", "D0-tp1")), AgentPeers("D0", D_PORT)
+    s = _sender(t, peers)
+    s.on_registration(_reg(0), agent="D0-tp0")
+    s.on_registration(_reg(1), agent="D0-tp1")
+    s.on_finished_blocks(FinishedBlocks("p-0", "t-0", [1, 2], 20, DIGEST))
+    s.poll()  # the WRITE to D rank 0 is in flight
+    assert [w[0] for w in t.writes] == ["D0-tp0"] and list(s.regs) == [("d-0", 1)]
+    s.on_cancel("d-0", "t-0", agent="D0-tp1")
+    assert not s.regs and s.refused == 0
+    assert [(a, wire.decode_notif(m)) for a, m in t.sent
+            if m.startswith(b"PUSH_CANCEL_ACK:")] == [("D0-tp1", wire.PushCancelAck("d-0",
+                                                                                  "t-0"))]
+    assert len(s.inflight) == 1  # D rank 0's WRITE goes on; its own cancel would wait for it
