@@ -251,7 +251,8 @@ class NixlTransport:
         peer = self._peers.pop(name, None)
         if peer is None:
             return
-        _quiet(peer.dlist.release, f"release dlist of {name}")
+        if peer.dlist is not None:  # None: a peer of another TP size (nothing prepped)
+            _quiet(peer.dlist.release, f"release dlist of {name}")
         _quiet(lambda: self._agent.remove_remote_agent(name), f"remove agent {name}")
 
     def peers(self) -> list[str]:

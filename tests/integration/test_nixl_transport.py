@@ -542,3 +542,31 @@ def test_seeded_probabilistic_faults_repeat_exactly() -> None:
     finally:
         for t in (a, b, sink):
             t.shutdown()
+
+
+def test_a_peer_of_another_tp_size_pairs_by_heads_and_a_foreign_split_is_refused() -> None:
+    """In one process: a TP=2 rank (head 1 of 2) loads a TP=1 peer holding both heads without
+    preparing its blocks; a peer claiming another model's split is refused, naming both."""
+    import torch
+
+    from kvconnector.nixl import NixlTransport, TransferError
+    from kvconnector.tp_layout import HeadLayout
+
+    def transport(name: str, heads: int, first: int, total: int, tp: int) -> NixlTransport:
+        layout = HeadLayout(2, 4, heads, first, total, 8, 4)
+        cache = torch.zeros(8, 2, 2, 4, heads, 8)
+        return NixlTransport(name, cache, layout.bytes_per_block, engine_id=name, block_size=4,
+                             compat_hash=HASH, layout=layout, tp_rank=first // heads,
+                             tp_size=tp)
+
+    p1, d, odd = transport("p-tp1", 1, 1, 2, 2), transport("d", 2, 0, 2, 1), None
+    try:
+        assert p1.add_peer(d.local_metadata(), "d:1") == "d"
+        assert p1._peers["d"].dlist is None and p1._peers["d"].layout.heads == 2
+        odd = transport("odd", 2, 0, 4, 2)  # 2 of 4 heads: another model's split
+        with pytest.raises(TransferError, match="not a split of the same model's heads"):
+            p1.add_peer(odd.local_metadata(), "odd:1")
+    finally:
+        for t in (p1, d, odd):
+            if t is not None:
+                t.shutdown()
