@@ -91,6 +91,7 @@ class Receiver:
         self.stats = stats
         self.requests: dict[PartKey, Recv] = {}  # every part not done yet
         self._count: Counter[RecvState] = Counter()  # requests per state (an index)
+        self._p_ranks: set[int] = set()  # P ranks any part named (an index for `_parts`)
         # Outputs, drained by the transfer thread each step:
         self.finished_recving: set[str] = set()
         self.failed_recving: dict[str, str] = {}
@@ -128,14 +129,15 @@ class Receiver:
         return None if r is None else r.state
 
     def _parts(self, rid: str) -> list[PartKey]:
-        """The parts of request `rid` not done yet."""
-        return [k for k in self.requests if k[0] == rid]
+        """The parts of request `rid` not done yet (O(P ranks), not O(requests))."""
+        return [(rid, p) for p in sorted(self._p_ranks) if (rid, p) in self.requests]
 
     def _p_parts(self, rid: str, host: str, port: int, remote_tp_size: int
                  ) -> list[tuple[PartKey, tuple[str, int]]]:
         """(part, P rank's side channel) for each P rank holding heads of this rank."""
-        return [((rid, p), (host, port + p))
-                for p in peer_ranks(self.tp_rank, self.tp_size, remote_tp_size)]
+        ranks = peer_ranks(self.tp_rank, self.tp_size, remote_tp_size)
+        self._p_ranks.update(ranks)
+        return [((rid, p), (host, port + p)) for p in ranks]
 
     @property
     def waiting(self) -> set[str]:
