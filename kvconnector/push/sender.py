@@ -272,6 +272,11 @@ class Sender:
         for p_id, staged in self._in(SendState.MATCHED).items():
             if staged.d_id == key:
                 self._move(p_id, SendState.STAGED)  # may pair with another registration
+        if pending is not None:  # a D rank P writes among others gave up: the rest is moot
+            for p_id, staged in self._in(SendState.STAGED).items():
+                if staged.expected > 1 and key[1] not in staged.written and _rank(
+                        staged.blocks, pending.reg) is not None:
+                    self._release(p_id, failed=True)
         self._tombstone(transfer_id, d_request_id)
         ack = wire.encode_push_cancel_ack(d_request_id, transfer_id)
         if pending is not None:
@@ -471,6 +476,9 @@ class Sender:
         rank's registration, now if it is here (the lease still bounds the wait)."""
         staged = self._move(p_id, SendState.STAGED)
         staged.write = None
+        if _tomb_key(staged.blocks.transfer_id, p_id) in self.tombstones:  # D cancelled
+            self._release(p_id, failed=True)
+            return
         for key in self._regs_for(staged.blocks, staged.written):
             if _digest_ok(staged.blocks, self.regs[key].reg):
                 self._match(p_id, key)

@@ -156,8 +156,10 @@ def test_p_refuses_a_registration_from_a_d_rank_holding_none_of_its_heads():
 
 
 class SlowWrite(FakeTransport):
+    state = "PROC"
+
     def check(self, handle: object) -> str:
-        return "PROC"
+        return self.state
 
 
 def test_p_cancels_one_d_ranks_registration_while_writing_another():
@@ -174,3 +176,19 @@ def test_p_cancels_one_d_ranks_registration_while_writing_another():
             if m.startswith(b"PUSH_CANCEL_ACK:")] == [("D0-tp1", wire.PushCancelAck("d-0",
                                                                                   "t-0"))]
     assert len(s.inflight) == 1  # D rank 0's WRITE goes on; its own cancel would wait for it
+    t.state = "DONE"
+    s.poll()  # rank 0 written; rank 1 cancelled: the blocks go now, not at lease expiry
+    assert s.done == {"p-0"} and not s.staged and [w[0] for w in t.writes] == ["D0-tp0"]
+
+
+def test_p_frees_its_blocks_when_a_d_rank_cancels_between_writes():
+    t, peers = SlowWrite(("D0-tp0", "D0-tp1")), AgentPeers("D0", D_PORT)
+    t.state = "DONE"
+    s = _sender(t, peers)
+    s.on_registration(_reg(0), agent="D0-tp0")
+    s.on_finished_blocks(FinishedBlocks("p-0", "t-0", [1, 2], 20, DIGEST))
+    s.poll()  # rank 0 written; waiting for rank 1's registration
+    s.on_registration(_reg(1), agent="D0-tp1")
+    assert not s.done and s.staged["p-0"].state.name == "MATCHED"
+    s.on_cancel("d-0", "t-0", agent="D0-tp1")
+    assert s.done == {"p-0"} and not s.staged and not s.regs and len(t.writes) == 1
