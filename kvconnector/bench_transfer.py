@@ -12,6 +12,13 @@ Reported (JSON, docs/design.md §3): ``bytes`` per transfer, ``descriptors`` per
 (single-thread ``torch.Tensor.copy_`` of the same number of bytes, same run) and
 ``ratio = gbps / memcpy_gbps``; plus end-to-end figures (D: PUSH_REG sent -> completion seen)
 and ``verified`` (D's blocks equal P's, compared by per-block checksums).
+
+``--split-heads`` measures what heterogeneous TP costs (docs/design.md §8): P holds half the
+KV heads (a TP=2 rank 0) and WRITEs them into a D holding all of them (TP=1), as
+``layers·2·block_size`` runs per block built for each transfer; the baseline, in the same run,
+WRITEs the same bytes as whole blocks (P and D both holding that half, prepped descriptors).
+Reported: the split run's keys, plus ``whole_*`` for the baseline and
+``split_over_whole_write_time`` (median WRITE time, split / whole).
 """
 
 from __future__ import annotations
@@ -41,6 +48,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", default="UCX", help="comma-separated NIXL backends")
     parser.add_argument("--no-huge-pages", action="store_true",
                         help="plain 4 KiB-page caches instead of the engine's huge-page ones")
+    parser.add_argument("--split-heads", action="store_true",
+                        help="P holds half the KV heads and writes them into a D holding all "
+                             "(per-run descriptors), vs the same bytes as whole blocks")
     parser.add_argument("--result-json", default=None)
 
 
@@ -51,12 +61,15 @@ class Shape:
     head_dim: int
     block_size: int
 
-    @property
-    def bytes_per_block(self) -> int:
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * 4
+    def cache_shape(self, num_blocks: int, heads: int) -> tuple[int, ...]:
+        return (num_blocks, self.num_layers, 2, self.block_size, heads, self.head_dim)
 
-    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+    def layout(self, heads: int) -> Any:
+        """A rank holding the first `heads` of the model's KV heads (float32)."""
+        from kvconnector.tp_layout import HeadLayout
+
+        return HeadLayout(self.num_layers, self.block_size, heads, 0, self.num_kv_heads,
+                          self.head_dim, 4)
 
 
 def model_shape(model_dir: str, block_size: int) -> Shape:
@@ -82,7 +95,7 @@ def _compat(shape: Shape) -> str:
 
 
 def _setup(name: str, shape: Shape, num_blocks: int, backends: list[str],
-           huge_pages: bool) -> tuple:
+           huge_pages: bool, heads: int) -> tuple:
     import torch
 
     from engine.worker.kv_memory import alloc_kv_cache
@@ -90,28 +103,33 @@ def _setup(name: str, shape: Shape, num_blocks: int, backends: list[str],
     from kvconnector.nixl import NixlTransport
 
     seed = torch.Generator().manual_seed(ord(name[0]))  # P and D hold different data
+    dims = shape.cache_shape(num_blocks, heads)
     if huge_pages:  # as the engine allocates its cache
-        cache = alloc_kv_cache(shape.cache_shape(num_blocks), torch.float32)
+        cache = alloc_kv_cache(dims, torch.float32)
     else:
-        cache = torch.zeros(shape.cache_shape(num_blocks))
-    cache.copy_(torch.randn(shape.cache_shape(num_blocks), generator=seed))
-    transport = NixlTransport(name, cache, shape.bytes_per_block, backends,
+        cache = torch.zeros(dims)
+    cache.copy_(torch.randn(dims, generator=seed))
+    layout = shape.layout(heads)
+    transport = NixlTransport(name, cache, layout.bytes_per_block, backends,
                               engine_id=f"bench-{name}", block_size=shape.block_size,
-                              compat_hash=_compat(shape))
+                              compat_hash=_compat(shape), layout=layout,
+                              tp_size=shape.num_kv_heads // heads)
     server = SideChannelServer(HOST, 0, transport.local_metadata).start()
     return cache, transport, server
 
 
-def _checksums(cache: Any, ids: list[int]) -> list[float]:
-    return cache[ids].flatten(1).double().sum(1).tolist()
+def _checksums(cache: Any, ids: list[int], heads: int) -> list[float]:
+    """Per block, over the first `heads` KV heads (those P holds and writes)."""
+    return cache[ids][..., :heads, :].flatten(1).double().sum(1).tolist()
 
 
 def _run_prefill(conn: Any, shape: Shape, ids: list[int], total: int, backends: list[str],
-                 huge_pages: bool) -> None:
+                 huge_pages: bool, heads: tuple[int, int]) -> None:
     from kvconnector import wire
     from kvconnector.handshake import fetch_peer_metadata
 
-    cache, transport, server = _setup("P", shape, len(ids) + 1, backends, huge_pages)
+    cache, transport, server = _setup("P", shape, len(ids) + 1, backends, huge_pages,
+                                      heads[0])
     conn.send(server.port)
     times, descriptors, done = [], 0, 0
     while done < total:
@@ -133,19 +151,20 @@ def _run_prefill(conn: Any, shape: Shape, ids: list[int], total: int, backends: 
             descriptors = handle.descriptors
             transport.release(handle)
             done += 1
-    conn.send((times, descriptors, _checksums(cache, ids)))
+    conn.send((times, descriptors, _checksums(cache, ids, heads[0])))
     conn.recv()  # keep the agent alive until D has read everything
     _exit(server, transport)
 
 
 def _run_decode(conn: Any, shape: Shape, ids: list[int], total: int, backends: list[str],
-                huge_pages: bool) -> None:
+                huge_pages: bool, heads: tuple[int, int]) -> None:
     import secrets
 
     from kvconnector import wire
     from kvconnector.handshake import fetch_peer_metadata
 
-    cache, transport, server = _setup("D", shape, max(ids) + 1, backends, huge_pages)
+    cache, transport, server = _setup("D", shape, max(ids) + 1, backends, huge_pages,
+                                      heads[1])
     p_port = conn.recv()
     transport.add_peer(fetch_peer_metadata(HOST, p_port, _compat(shape), 10.0))
     times = []
@@ -161,7 +180,7 @@ def _run_decode(conn: Any, shape: Shape, ids: list[int], total: int, backends: l
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no completion for {req_id} within 60 s")
         times.append(time.perf_counter() - start)
-    conn.send((times, _checksums(cache, ids)))
+    conn.send((times, _checksums(cache, ids, heads[0])))
     conn.recv()
     _exit(server, transport)
 
@@ -197,10 +216,31 @@ def memcpy_gbps(nbytes: int, iters: int) -> float:
 
 def run(model: str, num_tokens: int, block_size: int = 16, iters: int = 10, warmup: int = 2,
         layout: str = "contiguous", backends: tuple[str, ...] = ("UCX",),
-        huge_pages: bool = True) -> dict[str, Any]:
+        huge_pages: bool = True, split_heads: bool = False) -> dict[str, Any]:
     if num_tokens < 1 or iters < 1 or warmup < 0:
         raise ValueError("need --num-tokens >= 1, --iters >= 1, --warmup >= 0")
     shape = model_shape(model, block_size)
+    h = shape.num_kv_heads
+    if not split_heads:
+        return _measure(shape, num_tokens, iters, warmup, layout, backends, huge_pages, (h, h))
+    if h % 2:
+        raise ValueError(f"--split-heads needs an even number of KV heads, the model has {h}")
+    whole = _measure(shape, num_tokens, iters, warmup, layout, backends, huge_pages,
+                     (h // 2, h // 2))
+    split = _measure(shape, num_tokens, iters, warmup, layout, backends, huge_pages,
+                     (h // 2, h))
+    return {**split, **{f"whole_{k}": whole[k] for k in (
+                "descriptors", "gbps", "write_ms_median", "write_ms_p99", "verified")},
+            "split_over_whole_write_time": _sig(split["write_ms_median"]
+                                                / whole["write_ms_median"]),
+            "verified": split["verified"] and whole["verified"]}
+
+
+def _measure(shape: Shape, num_tokens: int, iters: int, warmup: int, layout: str,
+             backends: tuple[str, ...], huge_pages: bool, heads: tuple[int, int]
+             ) -> dict[str, Any]:
+    """One P/D pair: P holds the model's first heads[0] KV heads, D its first heads[1]."""
+    block_size = shape.block_size
     nblocks = math.ceil(num_tokens / block_size)
     p_ids = list(range(nblocks))
     d_ids = [1 + i for i in p_ids] if layout == "contiguous" else [2 * i + 1 for i in p_ids]
@@ -209,10 +249,10 @@ def run(model: str, num_tokens: int, block_size: int = 16, iters: int = 10, warm
     p_conn, p_child = ctx.Pipe()
     d_conn, d_child = ctx.Pipe()
     procs = [ctx.Process(target=_run_prefill, args=(p_child, shape, p_ids, total, list(backends),
-                                                         huge_pages),
+                                                         huge_pages, heads),
                          name="bench-transfer-P", daemon=True),
              ctx.Process(target=_run_decode, args=(d_child, shape, d_ids, total, list(backends),
-                                                        huge_pages),
+                                                        huge_pages, heads),
                          name="bench-transfer-D", daemon=True)]
     for proc in procs:
         proc.start()
@@ -228,7 +268,7 @@ def run(model: str, num_tokens: int, block_size: int = 16, iters: int = 10, warm
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
-    nbytes = nblocks * shape.bytes_per_block
+    nbytes = nblocks * shape.layout(min(heads)).bytes_per_block
     write_s = statistics.median(p_times[warmup:])
     e2e_s = statistics.median(d_times[warmup:])
     gbps = nbytes / write_s / 1e9
@@ -240,7 +280,8 @@ def run(model: str, num_tokens: int, block_size: int = 16, iters: int = 10, warm
         "write_ms_median": _sig(write_s * 1e3),
         "write_ms_p99": _sig(_pct(p_times[warmup:], 0.99) * 1e3),
         "e2e_ms_median": _sig(e2e_s * 1e3),
-        "num_blocks": nblocks, "bytes_per_block": shape.bytes_per_block, "iters": iters,
+        "num_blocks": nblocks, "bytes_per_block": shape.layout(heads[0]).bytes_per_block,
+        "iters": iters, "kv_heads": {"P": heads[0], "D": heads[1]},
         "layout": layout, "huge_pages": huge_pages, "shape": asdict(shape),
         "unit": "GB/s (1e9 bytes/s)",
         "ucx_tls": os.environ.get("UCX_TLS", "(default)"), "verified": p_sums == d_sums,
@@ -270,7 +311,7 @@ def _pct(values: list[float], q: float) -> float:
 def main(args: argparse.Namespace) -> int:
     result = run(args.model, args.num_tokens, args.block_size, args.iters, args.warmup,
                  args.layout, tuple(b for b in args.backends.split(",") if b),
-                 not args.no_huge_pages)
+                 not args.no_huge_pages, args.split_heads)
     text = json.dumps(result, indent=2)
     print(text)
     if args.result_json:

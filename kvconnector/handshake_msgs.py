@@ -39,6 +39,15 @@ class AgentMetadata(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     physical_blocks_per_logical: _Pos = 1
     mem_type: str = "DRAM"  # "DRAM" (CPU) or "VRAM" (GPU)
     device_id: _NonNeg = 0
+    # Where this rank's KV heads lie in a block (kvconnector/tp_layout.HeadLayout), so a peer
+    # of another TP size can write just its heads into the right part of our blocks
+    # (docs/design.md §8). 0 = not sent (an older engine): whole blocks only.
+    num_layers: _NonNeg = 0
+    kv_heads: _NonNeg = 0  # this rank's
+    first_kv_head: _NonNeg = 0  # the model's index of this rank's first KV head
+    total_kv_heads: _NonNeg = 0  # the model's
+    head_dim: _NonNeg = 0
+    itemsize: _NonNeg = 0
 
 
 class Hello(msgspec.Struct, tag="HELLO", forbid_unknown_fields=True, frozen=True):
@@ -92,7 +101,8 @@ class HandshakeError(RuntimeError):
 
 def compat_hash(model_name: str, dtype: str, num_layers: int, num_kv_heads: int, head_dim: int,
                 block_size: int, transfer_mode: str) -> str:
-    """Short sha256 over everything two engines must agree on to share KV blocks byte for byte."""
+    """Short sha256 over everything two engines must agree on to share KV blocks byte for byte.
+    `num_kv_heads` is the model's total, so engines of different TP sizes are compatible."""
     canon = json.dumps(
         {"model": model_name, "dtype": str(dtype), "layers": int(num_layers),
          "kv_heads": int(num_kv_heads), "head_dim": int(head_dim),

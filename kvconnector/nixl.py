@@ -8,6 +8,11 @@ a transfer picks entries by block id and NIXL merges entries that are consecutiv
 so a transfer costs one descriptor per run of consecutive (local, remote) ids
 (:func:`count_runs`; verified against NIXL telemetry in tests).
 
+A peer of another tensor-parallel size holds other KV heads per block (its metadata says which:
+`kvconnector.tp_layout`). Nothing is prepared for it: each transfer builds its descriptors,
+one per (block, layer, K/V, token) run of the heads both hold (docs/design.md §8), so memory
+stays proportional to the transfer, not to the peer's cache.
+
 Progress: the agent runs WITHOUT NIXL's progress thread (it spins a core even when idle). A
 transfer then only advances inside calls on this object, on BOTH agents (measured, nixl 1.5.1):
 - the initiator polls :meth:`check` until DONE/ERR; over UCX_TLS=tcp an unpolled WRITE does not
@@ -43,6 +48,7 @@ import numpy as np
 import torch
 
 from kvconnector.handshake import AgentMetadata
+from kvconnector.tp_layout import HeadLayout, transfer_descs
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +92,17 @@ class XferHandle:
 @dataclass
 class _Peer:
     meta: AgentMetadata
-    dlist: Any  # prepped remote descriptor list, one entry per remote block
+    dlist: Any  # prepped remote descriptor list, one entry per remote block; None: other heads
     source: str | None = None  # side-channel "host:port" the metadata came from
+    layout: HeadLayout | None = None  # set when the peer holds other heads (dlist is None)
+
+
+def head_layout(meta: AgentMetadata) -> HeadLayout | None:
+    """Where the rank behind `meta` keeps its heads, or None when its blob does not say."""
+    if not (meta.num_layers and meta.kv_heads and meta.head_dim and meta.itemsize):
+        return None
+    return HeadLayout(meta.num_layers, meta.block_size, meta.kv_heads, meta.first_kv_head,
+                      meta.total_kv_heads, meta.head_dim, meta.itemsize)
 
 
 class NixlTransport:
@@ -106,7 +121,8 @@ class NixlTransport:
                  fault_injection: dict[str, Any] | None = None,  # tests: see __new__
                  *, engine_id: str = "",
                  block_size: int = 0, tp_rank: int = 0, tp_size: int = 1,
-                 compat_hash: str = "", telemetry: bool = False) -> None:
+                 compat_hash: str = "", telemetry: bool = False,
+                 layout: HeadLayout | None = None) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
         if not kv_cache.is_contiguous() or kv_cache.dim() < 1:
@@ -115,6 +131,10 @@ class NixlTransport:
         if bytes_per_block < 1 or kv_cache.shape[0] * bytes_per_block != nbytes:
             raise ValueError(f"bytes_per_block {bytes_per_block} does not match kv_cache "
                              f"{tuple(kv_cache.shape)} {kv_cache.dtype} ({nbytes} bytes)")
+        if layout is not None and layout.bytes_per_block != bytes_per_block:
+            raise ValueError(f"head layout {layout} has {layout.bytes_per_block} bytes per "
+                             f"block, not {bytes_per_block}")
+        self.layout = layout
         self.name = name
         self.kv_cache = kv_cache
         self.num_blocks = int(kv_cache.shape[0])
@@ -146,7 +166,8 @@ class NixlTransport:
             agent_name=name, agent_blob=self._agent.get_agent_metadata(), base_addr=base,
             num_blocks=self.num_blocks, bytes_per_block=bytes_per_block, block_size=block_size,
             tp_rank=tp_rank, tp_size=tp_size, engine_id=engine_id, compat_hash=compat_hash,
-            physical_blocks_per_logical=1, mem_type=self.mem_type, device_id=self.device_id)
+            physical_blocks_per_logical=1, mem_type=self.mem_type, device_id=self.device_id,
+            **_layout_fields(layout))
 
     # ------------------------------------------------------------ peers
 
@@ -162,7 +183,9 @@ class NixlTransport:
         ``refused_peers``) and the loaded peer stays — otherwise anyone serving a blob under
         a real engine's agent name (named in a PUSH_REG) would have our next WRITE for that
         engine land in its memory. The same address may replace the blob (a restart)."""
-        if meta.bytes_per_block != self.bytes_per_block or meta.physical_blocks_per_logical != 1:
+        layout = self._other_heads(meta)
+        if meta.physical_blocks_per_logical != 1 or (
+                layout is None and meta.bytes_per_block != self.bytes_per_block):
             raise TransferError(
                 f"peer {meta.agent_name} (engine {meta.engine_id!r}) has {meta.bytes_per_block} "
                 f"bytes x {meta.physical_blocks_per_logical} per block; we have "
@@ -186,10 +209,10 @@ class NixlTransport:
                 self._agent.remove_remote_agent(name)
                 raise TransferError(f"peer metadata names agent {meta.agent_name!r} "
                                     f"but its blob is agent {name!r}")
-            dlist = self._agent.prep_xfer_dlist(
+            dlist = None if layout is not None else self._agent.prep_xfer_dlist(
                 name, _block_descs(meta.base_addr, meta.num_blocks, meta.bytes_per_block,
                                    meta.device_id), meta.mem_type)
-            self._peers[name] = _Peer(meta, dlist, source)
+            self._peers[name] = _Peer(meta, dlist, source, layout)
             self._bindings[name] = source
             self._bindings.move_to_end(name)
             while len(self._bindings) > MAX_AGENT_BINDINGS:
@@ -197,6 +220,28 @@ class NixlTransport:
         logger.info("NIXL %s: added peer %s (engine %r, %d blocks) from %s", self.name, name,
                     meta.engine_id, meta.num_blocks, source or "?")
         return name
+
+    def _other_heads(self, meta: AgentMetadata) -> HeadLayout | None:
+        """The peer's head layout when its blocks hold other heads than ours (transfers then
+        move the heads both hold, `tp_layout`); None when whole blocks pair up."""
+        theirs, ours = head_layout(meta), self.layout
+        if theirs is None or ours is None or (theirs.heads, theirs.first_head) == (
+                ours.heads, ours.first_head):
+            return None
+        dims = ("num_layers", "block_size", "total_heads", "head_dim", "itemsize")
+        split = (all(getattr(theirs, d) == getattr(ours, d) for d in dims)
+                 and theirs.bytes_per_block == meta.bytes_per_block
+                 and theirs.heads * meta.tp_size == theirs.total_heads
+                 and ours.heads * self._meta.tp_size == ours.total_heads)
+        if not split:
+            raise TransferError(
+                f"peer {meta.agent_name} (engine {meta.engine_id!r}, TP {meta.tp_size}) holds "
+                f"KV heads [{theirs.first_head}, {theirs.first_head + theirs.heads}) of "
+                f"{theirs.total_heads} in {meta.bytes_per_block}-byte blocks; we (TP "
+                f"{self._meta.tp_size}) hold [{ours.first_head}, {ours.first_head + ours.heads})"
+                f" of {ours.total_heads}: not a split of the same model's heads we can pair "
+                f"(KV heads replicated over ranks pair only between equal TP sizes)")
+        return theirs
 
     def remove_peer(self, name: str) -> None:
         with self._lock:
@@ -206,7 +251,8 @@ class NixlTransport:
         peer = self._peers.pop(name, None)
         if peer is None:
             return
-        _quiet(peer.dlist.release, f"release dlist of {name}")
+        if peer.dlist is not None:  # None: a peer of another TP size (nothing prepped)
+            _quiet(peer.dlist.release, f"release dlist of {name}")
         _quiet(lambda: self._agent.remove_remote_agent(name), f"remove agent {name}")
 
     def peers(self) -> list[str]:
@@ -238,14 +284,11 @@ class NixlTransport:
             if local.size != remote.size or local.size == 0:
                 raise ValueError(f"{op} to {peer_name}: {local.size} local vs {remote.size} "
                                  f"remote block ids (need equal, non-zero)")
-            handle = XferHandle(peer_name, op, int(local.size) * self.bytes_per_block,
-                                count_runs(local, remote), time.monotonic(), None)
             try:
-                xfer = self._agent.make_prepped_xfer(op, self._local_dlist, local.astype(np.int32),
-                                                     peer.dlist, remote.astype(np.int32), notif)
+                handle = self._create(op, peer_name, peer, local, remote, notif)
             except Exception as e:
                 raise TransferError(f"{op} to {peer_name}: cannot create transfer: {e}") from e
-            handle._nixl = xfer
+            xfer = handle._nixl
             try:
                 state = self._agent.transfer(xfer)
             except Exception as e:  # e.g. nixlRemoteDisconnectError: the peer died
@@ -258,6 +301,23 @@ class NixlTransport:
             handle.state = state
             self._live.add(handle)
             return handle
+
+    def _create(self, op: str, name: str, peer: _Peer, local: np.ndarray, remote: np.ndarray,
+                notif: bytes) -> XferHandle:
+        """The NIXL transfer: prepped whole blocks, or this transfer's head-range runs."""
+        if peer.layout is None:
+            xfer = self._agent.make_prepped_xfer(op, self._local_dlist, local.astype(np.int32),
+                                                 peer.dlist, remote.astype(np.int32), notif)
+            return XferHandle(name, op, int(local.size) * self.bytes_per_block,
+                              count_runs(local, remote), time.monotonic(), xfer)
+        assert self.layout is not None
+        mine, theirs = transfer_descs(self.layout, self._meta.base_addr, local, self.device_id,
+                                      peer.layout, peer.meta.base_addr, remote,
+                                      peer.meta.device_id)
+        xfer = self._agent.initialize_xfer(
+            op, self._agent.get_xfer_descs(mine, self.mem_type),
+            self._agent.get_xfer_descs(theirs, peer.meta.mem_type), name, notif)
+        return XferHandle(name, op, int(mine[:, 1].sum()), len(mine), time.monotonic(), xfer)
 
     def check(self, handle: XferHandle) -> str:
         """"DONE", "PROC" or "ERR". Drives progress on this side; call until not "PROC"."""
@@ -333,6 +393,14 @@ class NixlTransport:
                 self._remove_peer_locked(name)
             _quiet(self._local_dlist.release, "release local dlist")
             _quiet(lambda: self._agent.deregister_memory(self._reg), "deregister KV cache")
+
+
+def _layout_fields(layout: HeadLayout | None) -> dict[str, int]:
+    if layout is None:
+        return {}
+    return {"num_layers": layout.num_layers, "kv_heads": layout.heads,
+            "first_kv_head": layout.first_head, "total_kv_heads": layout.total_heads,
+            "head_dim": layout.head_dim, "itemsize": layout.itemsize}
 
 
 def _block_descs(base: int, num_blocks: int, bytes_per_block: int, device_id: int) -> np.ndarray:

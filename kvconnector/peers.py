@@ -47,6 +47,7 @@ class PeerState:
     failed_at: float = 0.0
     last_used: float = 0.0
     agent_blob: bytes | None = None  # what the handshake loaded (a probe compares it)
+    tp_rank: int | None = None  # the TP rank the address serves, when the caller named it
 
 
 def probe_verdict(exc: BaseException | None, meta: Any, known_agent: str | None,
@@ -68,7 +69,8 @@ class Peers:
                  retry_after: float = 5.0, *,
                  remove_peer: Callable[[str], None] | None = None,
                  idle_after: float = 60.0) -> None:
-        self._fetch = fetch  # (host, port) -> metadata, raises on failure (any thread)
+        # (host, port[, tp_rank]) -> metadata, raises on failure (any thread)
+        self._fetch = fetch
         # (metadata, "host:port" it came from) -> agent name (writer thread only)
         self._add_peer = add_peer
         self._remove_peer = remove_peer  # agent name -> None (transfer thread only)
@@ -85,10 +87,14 @@ class Peers:
         self._new_pool = ThreadPoolExecutor(max_workers=MAX_FIRST_CONTACTS,
                                             thread_name_prefix="nixl-first-contact")
 
-    def get(self, addr: Address) -> PeerState:
-        """Current state of the peer, starting (or retrying) a handshake when needed."""
+    def get(self, addr: Address, tp_rank: int | None = None) -> PeerState:
+        """Current state of the peer, starting (or retrying) a handshake when needed.
+        `tp_rank`: the TP rank the address serves (the handshake asks for it; docs/design.md
+        §8), remembered with the peer; None: the one named before, or the fetch's default."""
         now = self._clock()
         state = self._peers.get(addr)
+        if tp_rank is None and state is not None:
+            tp_rank = state.tp_rank
         stale = (state is not None and state.status == "failed"
                  and now - state.failed_at >= self._retry_after)
         if state is None and len(self._peers) >= MAX_PEERS:
@@ -98,22 +104,23 @@ class Peers:
             # A retry keeps the agent name: NIXL still holds that agent, and a PUSH_CANCEL
             # must still reach it (see `known_agent`).
             known = state.agent_name if state else None
-            state = self._start(addr, known, now)
+            state = self._start(addr, known, now, tp_rank)
         state.last_used = now
         return state
 
-    def _start(self, addr: Address, known: str | None, now: float) -> PeerState:
+    def _start(self, addr: Address, known: str | None, now: float,
+               tp_rank: int | None) -> PeerState:
         first = known is None
         if first and self._first_contacts >= MAX_FIRST_CONTACTS:
             state = PeerState("failed", reason="too many first handshakes in progress",
                               failed_at=now, last_used=now)
             self._peers[addr] = state
             return state
-        state = PeerState("pending", agent_name=known, last_used=now)
+        state = PeerState("pending", agent_name=known, last_used=now, tp_rank=tp_rank)
         self._peers[addr] = state
         self._first_contacts += first
         pool = self._new_pool if first else self._known_pool
-        future = pool.submit(self._fetch, addr[0], addr[1])
+        future = pool.submit(self._fetch_meta, addr, tp_rank)
         future.add_done_callback(lambda f, a=addr, fc=first: self._on_done(a, f, fc))
         return state
 
@@ -212,15 +219,21 @@ class Peers:
         state = self._peers.get(addr)
         known = state.agent_name if state is not None else None
         blob = state.agent_blob if state is not None else None
+        rank = state.tp_rank if state is not None else None
 
         def run() -> None:
             try:
-                meta, exc = self._fetch(addr[0], addr[1]), None
+                meta, exc = self._fetch_meta(addr, rank), None
             except Exception as e:  # noqa: BLE001 - any failure is a verdict
                 meta, exc = None, e
             on_result(addr, probe_verdict(exc, meta, known, blob), known)
             self._wake.set()
         self._known_pool.submit(run)
+
+    def _fetch_meta(self, addr: Address, tp_rank: int | None) -> Any:
+        if tp_rank is None:
+            return self._fetch(addr[0], addr[1])
+        return self._fetch(addr[0], addr[1], tp_rank)
 
     def pending(self) -> bool:
         return any(s.status == "pending" for s in self._peers.values())

@@ -127,6 +127,8 @@ class PushReg(_Strict):
     remote_port: Port
     remote_tp_size: TpSize
     prompt_digest: Digest = ""  # of D's whole prompt; "" matches nothing
+    # which of D's TP ranks registers (its blocks hold that rank's heads; docs/design.md §8)
+    decode_tp_rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)] = 0
 
 
 class Completion(_Strict):

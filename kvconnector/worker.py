@@ -25,6 +25,7 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.kv_connector import KVCacheSpec, KVConnectorOutput, KVConnectorWorker
+from engine.models.arch import load_arch
 from kvconnector.endpoint import Endpoint
 from kvconnector.handshake import (
     RefusedHandshakes,
@@ -35,6 +36,7 @@ from kvconnector.handshake import (
 from kvconnector.nixl import NixlTransport
 from kvconnector.peers import Peers
 from kvconnector.security import KVSecurity
+from kvconnector.tp_layout import rank_layout
 from kvconnector.transfer_thread import TransferThread
 
 logger = logging.getLogger(__name__)
@@ -70,8 +72,13 @@ class NixlWorker(KVConnectorWorker):
             self.fault_injection = {**fi, "seed": fi["seed"] + tp_rank}  # each rank its draws
         self.security = KVSecurity.from_config(kv)
         self.refused_handshakes = RefusedHandshakes()
+        # where this rank's KV heads lie in a block; engines of other TP sizes pair with it
+        # by the model's total KV heads (docs/design.md §8)
+        self.layout = rank_layout(spec, load_arch(config.model).num_kv_heads, tp_rank,
+                                  self.tp_size)
         self.compat = compat_hash(spec.model_name, spec.dtype, spec.num_layers,
-                                  spec.num_kv_heads, spec.head_dim, spec.block_size, self.mode)
+                                  self.layout.total_heads, spec.head_dim, spec.block_size,
+                                  self.mode)
         self.transport: NixlTransport | None = None
         self.side_channel: SideChannelServer | None = None
         self.thread: TransferThread | None = None
@@ -87,7 +94,7 @@ class NixlWorker(KVConnectorWorker):
             f"{ep.engine_id}-tp{self.tp_rank}", kv_cache, self.spec.bytes_per_block,
             backends=self.backends, fault_injection=self.fault_injection,
             engine_id=ep.engine_id, block_size=self.spec.block_size, compat_hash=self.compat,
-            tp_rank=self.tp_rank, tp_size=self.tp_size,
+            tp_rank=self.tp_rank, tp_size=self.tp_size, layout=self.layout,
         )
         meta = t.local_metadata()
         self.side_channel = SideChannelServer(ep.host, ep.port, lambda: meta, self.security)
@@ -104,12 +111,13 @@ class NixlWorker(KVConnectorWorker):
         logger.info("%s connector %s ready: side channel %s:%d", self.mode, ep.engine_id,
                     ep.host, ep.port)
 
-    def _fetch(self, host: str, port: int) -> Any:
-        """A peer's agent metadata (on a Peers executor thread)."""
+    def _fetch(self, host: str, port: int, tp_rank: int | None = None) -> Any:
+        """A peer's agent metadata (on a Peers executor thread): of TP rank `tp_rank`, by
+        default ours (same-size TP pairs rank with rank); the side channel must serve it."""
         with self.refused_handshakes:
-            # same-size TP pairs rank with rank: the peer's side channel must serve ours
-            return fetch_peer_metadata(host, port, self.compat, _HANDSHAKE_TIMEOUT_S,
-                                       tp_rank=self.tp_rank, security=self.security)
+            return fetch_peer_metadata(
+                host, port, self.compat, _HANDSHAKE_TIMEOUT_S,
+                tp_rank=self.tp_rank if tp_rank is None else tp_rank, security=self.security)
 
     def for_rank(self, metadata: Any) -> Any:
         """This rank's view of the scheduler's metadata (a mode points it at its peer rank)."""

@@ -38,6 +38,11 @@
 #   deployment (P on core 0, D on core 1) and a 1P1D push deployment with P and D at
 #   --tensor-parallel-size 2 (each rank one thread, not pinned: both cores), both up at once,
 #   requests alternating between the two proxies (TP1 first). TP_PAIRED_PROMPTS=0 skips it.
+# Push with P at TP=2, D at TP=1 vs TP=1 both, side by side (1024-in/8-out, one request at a
+#   time, 0.5/s; docs/design.md §8): the 1P1D push deployment as above and one whose P runs
+#   --tensor-parallel-size 2 (ranks not pinned) writing its two head halves into D (core 1),
+#   requests alternating (TP1 first). HETERO_PAIRED_PROMPTS=0 skips it. Alone:
+#   SYSTEMS="" PAIRED_MODES_PROMPTS=0 TP_PAIRED_PROMPTS=0 scripts/bench_pd.sh OUT_DIR
 # Output: $OUT/pd_bench.md (tables, goals), $OUT/pd_bench.png (TTFT/ITL CDFs), raw JSON and
 # server logs in $OUT/pd_raw/.
 set -euo pipefail
@@ -57,6 +62,7 @@ OVERHEAD_RATE=${OVERHEAD_RATE:-0.8}  # near-periodic (burstiness 50), one reques
 COST_PROMPTS=${COST_PROMPTS:-30}     # 1024-in/8-out, half through the proxy, half on P alone
 PAIRED_MODES_PROMPTS=${PAIRED_MODES_PROMPTS:-40}  # 1024-in/8-out, half pull, half push; 0: skip
 TP_PAIRED_PROMPTS=${TP_PAIRED_PROMPTS:-30}  # 1024-in/8-out, half push TP=1, half push TP=2; 0: skip
+HETERO_PAIRED_PROMPTS=${HETERO_PAIRED_PROMPTS:-30}  # half push TP=1, half P TP=2 -> D TP=1; 0: skip
 GOODPUT=${GOODPUT:-"ttft:2500 tpot:100"}
 PORT_BASE=${PORT_BASE:-18100}
 NUM_BLOCKS=${NUM_BLOCKS:-2048}
@@ -141,15 +147,17 @@ start_system() {  # sets TARGET (bench serve target args) and P_URL/D_URL for P/
         wait_healthy "http://127.0.0.1:$e0" "$a"; wait_healthy "http://127.0.0.1:$e1" "$b"
         TARGET=(--base-url "http://127.0.0.1:$e0" --base-url "http://127.0.0.1:$e1")
         ;;
-    pull|push|push_tp2)
-        local conn=NixlConnector mode=$sys pc=0 dc=1 tp=()
+    pull|push|push_tp2|push_p2d1)
+        local conn=NixlConnector mode=$sys pc=0 dc=1 tp=() dtp=()
         [ "$sys" != pull ] && conn=NixlPushConnector mode=push
         # TP=2: rank r's side channel is kv-port + r; the ranks share both cores
-        [ "$sys" = push_tp2 ] && { tp=(--tensor-parallel-size 2); pc=-; dc=-; k1=$((k0 + 2)); }
+        [ "$sys" = push_tp2 ] && { tp=(--tensor-parallel-size 2); dtp=("${tp[@]}"); pc=-; dc=-
+                                   k1=$((k0 + 2)); }
+        [ "$sys" = push_p2d1 ] && { tp=(--tensor-parallel-size 2); pc=-; k1=$((k0 + 2)); }
         start "${sys}_prefill" $pc "$BIN/pdserve" prefill "$MODEL" --port $e0 --kv-port $k0 \
             --kv-connector $conn --engine-id P0 "${tp[@]}" "${SERVE_ARGS[@]}"; a=$LAST_PID
         start "${sys}_decode" $dc "$BIN/pdserve" decode "$MODEL" --port $e1 --kv-port $k1 \
-            --kv-connector $conn --engine-id D0 "${tp[@]}" "${SERVE_ARGS[@]}"; b=$LAST_PID
+            --kv-connector $conn --engine-id D0 "${dtp[@]}" "${SERVE_ARGS[@]}"; b=$LAST_PID
         P_URL="http://127.0.0.1:$e0"; D_URL="http://127.0.0.1:$e1"
         wait_healthy "$P_URL" "$a"; wait_healthy "$D_URL" "$b"
         start "${sys}_proxy" - "$BIN/pdserve" proxy --prefill "$P_URL" --decode "$D_URL" \
@@ -225,6 +233,10 @@ if [ "$PAIRED_MODES_PROMPTS" -gt 0 ]; then
 fi
 if [ "$TP_PAIRED_PROMPTS" -gt 0 ]; then
     side_by_side push push_tp2 "push TP=1 vs TP=2 side by side" tp_paired "$TP_PAIRED_PROMPTS" 600
+fi
+if [ "$HETERO_PAIRED_PROMPTS" -gt 0 ]; then
+    side_by_side push push_p2d1 "push TP=1 vs P TP=2 -> D TP=1 side by side" hetero_paired \
+        "$HETERO_PAIRED_PROMPTS" 700
 fi
 loadavg end
 

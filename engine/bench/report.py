@@ -38,7 +38,7 @@ def load_runs(raw: str) -> dict[str, Any]:
     """{'A': {system: {rate: result}}, 'mix': {system: result}, 'overhead': [results],
     'cost': {system: result}, 'transfer': result|None, 'loadavg': [(phase, '1m 5m 15m')]}"""
     runs: dict[str, Any] = {"A": {}, "mix": {}, "overhead": [], "cost": {},
-                            "modes_paired": None, "tp_paired": None}
+                            "modes_paired": None, "tp_paired": None, "hetero_paired": None}
     for path in sorted(glob.glob(os.path.join(raw, "*.json"))):
         name = os.path.basename(path)[:-5]
         data = _load(path)
@@ -50,7 +50,7 @@ def load_runs(raw: str) -> dict[str, Any]:
             runs["mix"][m.group(1)] = data
         elif re.fullmatch(r"overhead_\d+", name):
             runs["overhead"].append(data)
-        elif name in ("modes_paired", "tp_paired"):
+        elif name in ("modes_paired", "tp_paired", "hetero_paired"):
             runs[name] = data
         elif m := re.fullmatch(r"(\w+)__cost", name):
             runs["cost"][m.group(1)] = data
@@ -177,6 +177,10 @@ def goals(runs: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
     numbers["push_tp2_over_tp1_ttft_side_by_side"] = ratio
     rows.append(f"| (no goal) push with P and D at TP=2 vs TP=1, median TTFT, 1024 in, both up at "
                 f"once, requests alternating | {shown} | — |")
+    ratio, shown = side_by_side(runs["hetero_paired"], "P TP=2 → D TP=1 − TP=1")
+    numbers["push_p2d1_over_tp1_ttft_side_by_side"] = ratio
+    rows.append(f"| (no goal) push with P at TP=2, D at TP=1 vs both TP=1, median TTFT, 1024 in, "
+                f"both up at once, requests alternating | {shown} | — |")
 
     colo = runs["mix"].get("colocated")
     for system in ("push", "pull"):

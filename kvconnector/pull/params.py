@@ -58,7 +58,12 @@ def request_params_validator(config: Any, wall_clock: Callable[[], float] = time
     security = KVSecurity.from_config(config.kv_transfer_config, warn=False)
 
     def validate(params: dict[str, Any], prompt_token_ids: Sequence[int]) -> None:
-        if isinstance(validate_request_params(params), PullDecodeLeg):
+        leg = validate_request_params(params)
+        if isinstance(leg, PullDecodeLeg):
+            if leg.tp_size != 1:  # pull engines run at TP 1 only (engine/config.py)
+                raise ValueError(f"kv_transfer_params.tp_size: pull mode reads only from a "
+                                 f"prefill engine of tensor_parallel_size 1, not {leg.tp_size} "
+                                 f"(P/D of other or different TP sizes: use push mode)")
             signing.check(security, params, prompt_token_ids, wall_clock())
 
     return validate

@@ -42,6 +42,7 @@ class Queued:
     remote_engine_id: str
     remote_host: str
     remote_port: int
+    remote_tp_size: int = 1
 
     @property
     def hb_id(self) -> str:

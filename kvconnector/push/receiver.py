@@ -17,6 +17,15 @@ failed P that answers a probe again is taken back, so D resumes receiving KV at 
 A completion, PUSH_FAIL or PUSH_CANCEL_ACK acts on a request only when it comes from the
 NIXL agent D's handshake loaded for that request's P address; from any other agent it is
 refused (counted in `refused`, logged, dropped).
+
+Tensor parallelism (docs/design.md §8): this rank's heads come from every P rank holding some
+of them (`tp_layout.peer_ranks`: one when P is the same size or smaller, k when P is k times
+bigger), each at P's side channel `kv_port + p`. A request has one `Recv` per such P rank (a
+"part", keyed by (request id, P rank)), each its own machine: its own PUSH_REG, heartbeats,
+watchdog, cancel and ack. Towards the scheduler they are one request, as
+`KVOutputAggregator` combines ranks: the KV has landed when every part's WRITE completed; the
+first failure of any part fails the request (once); its blocks are freed once every part is
+SAFE and the request released.
 """
 
 from __future__ import annotations
@@ -32,10 +41,13 @@ from typing import Any
 from kvconnector import wire
 from kvconnector.peers import ALIVE, GONE, Address, Peers
 from kvconnector.push.meta import Queued, Registration
+from kvconnector.tp_layout import peer_ranks
 
 logger = logging.getLogger(__name__)
 
 _PROBE_FAILURES_FOR_DEAD = 2
+
+PartKey = tuple[str, int]  # (D request id, P's TP rank the part's heads come from)
 
 
 class RecvState(enum.Enum):
@@ -60,22 +72,26 @@ class Recv:
     sent_at: float = 0.0  # WAITING: when the PUSH_REG left
     deadline: float = 0.0  # QUARANTINED: when nothing can land any more
     released: bool = False
+    landed: bool = False  # SAFE because its WRITE completed
+    told: bool = False  # its failure was reported to the scheduler
 
 
 class Receiver:
     def __init__(self, transport: Any, peers: Peers, clock: Callable[[], float], *,
                  identity: dict[str, Any], ttl: float, hb_interval: float, grace: float,
-                 stats: dict[str, float]) -> None:
+                 stats: dict[str, float], tp_rank: int = 0, tp_size: int = 1) -> None:
         self.t = transport
         self.peers = peers
         self.clock = clock
-        self.identity = identity  # decode_engine_id, decode_host, decode_port, tp size
+        self.identity = identity  # decode_engine_id, decode_host, decode_port, tp size, rank
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.ttl = ttl
         self.hb_interval = hb_interval
         self.grace = grace
         self.stats = stats
-        self.requests: dict[str, Recv] = {}  # every request not done yet, by D request id
+        self.requests: dict[PartKey, Recv] = {}  # every part not done yet
         self._count: Counter[RecvState] = Counter()  # requests per state (an index)
+        self._p_ranks: set[int] = set()  # P ranks any part named (an index for `_parts`)
         # Outputs, drained by the transfer thread each step:
         self.finished_recving: set[str] = set()
         self.failed_recving: dict[str, str] = {}
@@ -87,7 +103,7 @@ class Receiver:
         self.refused = 0  # notifications from an agent other than the request's P
 
     # --- the state table ----------------------------------------------------------
-    def _enter(self, rid: str, r: Recv) -> None:
+    def _enter(self, rid: PartKey, r: Recv) -> None:
         old = self.requests.get(rid)
         if old is not None:
             self._count[old.state] -= 1
@@ -95,96 +111,118 @@ class Receiver:
         self.requests[rid] = r
         self._count[r.state] += 1
 
-    def _move(self, rid: str, state: RecvState) -> Recv:
+    def _move(self, rid: PartKey, state: RecvState) -> Recv:
         r = self.requests[rid]
         self._count[r.state] -= 1
         self._count[state] += 1
         r.state = state
         return r
 
-    def _in(self, state: RecvState) -> dict[str, Recv]:
+    def _in(self, state: RecvState) -> dict[PartKey, Recv]:
         """The requests in `state` (a view built on demand)."""
         if not self._count[state]:
             return {}
         return {rid: r for rid, r in self.requests.items() if r.state is state}
 
-    def _state(self, rid: str) -> RecvState | None:
-        r = self.requests.get(rid)
+    def _state(self, key: PartKey | None) -> RecvState | None:
+        r = self.requests.get(key) if key is not None else None
         return None if r is None else r.state
 
-    @property
-    def waiting(self) -> dict[str, Recv]:
-        return self._in(RecvState.WAITING)
+    def _parts(self, rid: str) -> list[PartKey]:
+        """The parts of request `rid` not done yet (O(P ranks), not O(requests))."""
+        return [(rid, p) for p in sorted(self._p_ranks) if (rid, p) in self.requests]
+
+    def _p_parts(self, rid: str, host: str, port: int, remote_tp_size: int
+                 ) -> list[tuple[PartKey, tuple[str, int]]]:
+        """(part, P rank's side channel) for each P rank holding heads of this rank."""
+        ranks = peer_ranks(self.tp_rank, self.tp_size, remote_tp_size)
+        self._p_ranks.update(ranks)
+        return [((rid, p), (host, port + p)) for p in ranks]
 
     @property
-    def quarantine(self) -> dict[str, Recv]:
-        return self._in(RecvState.QUARANTINED)
+    def waiting(self) -> set[str]:
+        """Requests with a part waiting for its WRITE (a view)."""
+        return {k[0] for k in self._in(RecvState.WAITING)}
+
+    @property
+    def quarantine(self) -> set[str]:
+        """Requests with a part quarantined (a view)."""
+        return {k[0] for k in self._in(RecvState.QUARANTINED)}
 
     # --- events from the scheduler ------------------------------------------------
     def on_queued(self, q: Queued) -> None:
-        addr = (q.remote_host, q.remote_port)
-        self._enter(q.request_id, Recv(RecvState.QUEUED, addr, q.hb_id))
-        self.peers.get(addr)  # handshake while D queues
+        for key, addr in self._p_parts(q.request_id, q.remote_host, q.remote_port,
+                                       q.remote_tp_size):
+            self._enter(key, Recv(RecvState.QUEUED, addr, q.hb_id))
+            self.peers.get(addr, key[1])  # handshake while D queues
 
     def on_registration(self, reg: Registration) -> None:
-        self._enter(reg.request_id, Recv(RecvState.UNSENT, (reg.remote_host, reg.remote_port),
-                                         reg.hb_id, reg))
+        for key, addr in self._p_parts(reg.request_id, reg.remote_host, reg.remote_port,
+                                       reg.remote_tp_size):
+            self._enter(key, Recv(RecvState.UNSENT, addr, reg.hb_id, reg))
+            self.peers.get(addr, key[1])
 
     def on_watchdog(self, rid: str) -> None:
-        state = self._state(rid)
-        if state is RecvState.UNSENT:
-            self._fail(rid, "registration never reached P before the watchdog")
-        elif state is RecvState.WAITING:
-            self._cancel(rid, "no KV from P within push_registration_timeout")
+        for key in self._parts(rid):
+            state = self._state(key)
+            if state is RecvState.UNSENT:
+                self._fail(key, "registration never reached P before the watchdog")
+            elif state is RecvState.WAITING:
+                self._cancel(key, "no KV from P within push_registration_timeout")
 
     def on_released(self, rid: str) -> None:
-        r = self.requests.get(rid)
-        if r is None:  # never registered, or its transfer is long over
+        keys = self._parts(rid)
+        if not keys:  # never registered, or its transfer is long over
             self.done.add(rid)
             return
-        r.released = True
-        if r.state in (RecvState.QUEUED, RecvState.UNSENT):
-            self._move(rid, RecvState.SAFE)  # no PUSH_REG left D: nothing can land
-        elif r.state is RecvState.WAITING:
-            self._cancel(rid, None)
-        self._settle(rid)
+        for key in keys:
+            r = self.requests[key]
+            r.released = True
+            if r.state in (RecvState.QUEUED, RecvState.UNSENT):
+                self._move(key, RecvState.SAFE)  # no PUSH_REG left D: nothing can land
+            elif r.state is RecvState.WAITING:
+                self._cancel(key, None)
+            self._settle(key)
 
     # --- events from P ------------------------------------------------------------
     def on_completion(self, rid: str, agent: str | None = None) -> None:
-        if not self._from_p(rid, agent, "completion"):
+        key = self._from_p(rid, agent, "completion")
+        if key is False:
             return
-        state = self._state(rid)
+        state = self._state(key)
         if state is RecvState.WAITING:
-            self.finished_recving.add(rid)  # WAITING is never released (that cancels)
+            self._move(key, RecvState.SAFE).landed = True
+            parts = [self.requests[k] for k in self._parts(rid)]
+            if all(p.landed for p in parts):  # WAITING is never released (that cancels)
+                self.finished_recving.add(rid)
         elif state is RecvState.QUARANTINED:
             logger.info("WRITE for cancelled %s completed before the cancel reached P", rid)
+            self._move(key, RecvState.SAFE)
         else:
             logger.warning("completion for unknown request %s dropped", rid)
             return
-        self._move(rid, RecvState.SAFE)
-        self._settle(rid)
+        self._settle(key)
 
     def on_push_fail(self, rid: str, reason: str, agent: str | None = None) -> None:
-        if not self._from_p(rid, agent, "PUSH_FAIL"):
+        key = self._from_p(rid, agent, "PUSH_FAIL")
+        if key is False:
             return
-        state = self._state(rid)
+        state = self._state(key)
         if state is RecvState.WAITING:
-            self.failed_recving[rid] = f"prefill engine will not write: {reason}"
-            self.stats["kv_recv_failed_total"] += 1
+            self._tell(key, f"prefill engine will not write: {reason}", count=True)
         elif state is not RecvState.QUARANTINED:  # cancelled: its failure is already told
             logger.warning("PUSH_FAIL for unknown request %s dropped", rid)
             return
-        self._move(rid, RecvState.SAFE)
-        self._settle(rid)
+        self._move(key, RecvState.SAFE)
+        self._settle(key)
 
     def on_cancel_ack(self, rid: str, agent: str | None = None) -> None:
-        if not self._from_p(rid, agent, "PUSH_CANCEL_ACK"):
-            return
-        if self._state(rid) is RecvState.QUARANTINED:
+        key = self._from_p(rid, agent, "PUSH_CANCEL_ACK")
+        if key is not False and self._state(key) is RecvState.QUARANTINED:
             acks = "kv_push_cancel_acks_received_total"
             self.stats[acks] = self.stats.get(acks, 0) + 1
-            self._move(rid, RecvState.SAFE)
-            self._settle(rid)
+            self._move(key, RecvState.SAFE)
+            self._settle(key)
 
     def on_probe(self, addr: Address, verdict: str, agent: str | None = None) -> None:
         """A liveness probe of P at `addr` (which had `agent` loaded) ended with `verdict`."""
@@ -208,7 +246,7 @@ class Receiver:
         for addr, verdict, agent in self._drain_probes():
             self.on_probe(addr, verdict, agent)
         self._send_unsent(now)
-        for rid, r in self.quarantine.items():
+        for rid, r in self._in(RecvState.QUARANTINED).items():
             if now >= r.deadline:
                 logger.warning("no cancel ack for %s by its deadline; P can no longer write",
                                rid)
@@ -223,26 +261,33 @@ class Receiver:
         return bool(self._count[RecvState.WAITING] or self._count[RecvState.UNSENT])
 
     def next_deadline(self) -> float | None:
-        times = [r.deadline for r in self.quarantine.values()]
+        times = [r.deadline for r in self._in(RecvState.QUARANTINED).values()]
         if (self._count[RecvState.QUEUED] or self._count[RecvState.QUARANTINED]
                 or self.peers.failed_with_agent()):
             times.append(self._next_hb)  # heartbeats and liveness probes
         return min(times) if times else None
 
     # --- internals ----------------------------------------------------------------
-    def _from_p(self, rid: str, agent: str | None, what: str) -> bool:
-        """Whether `agent` is the P agent loaded for this request's P address (a request D
-        does not wait for is left to the caller's own 'unknown' handling)."""
-        r = self.requests.get(rid)
-        if agent is None or r is None or r.state not in (RecvState.WAITING,
-                                                         RecvState.QUARANTINED):
-            return True
-        expected = self.peers.known_agent(r.addr)
-        if agent == expected:
-            return True
+    def _from_p(self, rid: str, agent: str | None, what: str) -> PartKey | None | bool:
+        """The part of `rid` whose P address has `agent` loaded; False (refused) when `agent`
+        is none of them while a part waits or is quarantined. A request D does not wait for
+        is left to the caller's own 'unknown' handling (None, or a part not waiting)."""
+        keys = self._parts(rid)
+        if not keys:
+            return None
+        if agent is None:
+            return keys[0]
+        for key in keys:
+            if self.peers.known_agent(self.requests[key].addr) == agent:
+                return key
+        exposed = [k for k in keys
+                   if self.requests[k].state in (RecvState.WAITING, RecvState.QUARANTINED)]
+        if not exposed:
+            return keys[0]
         self.refused += 1
+        r = self.requests[exposed[0]]
         logger.warning("refused %s for %s from agent %s: the request's P at %s:%d is agent %s",
-                       what, rid, agent, *r.addr, expected)
+                       what, rid, agent, *r.addr, self.peers.known_agent(r.addr))
         return False
 
     def _drain_probes(self) -> list[tuple[Address, str, str | None]]:
@@ -252,14 +297,14 @@ class Receiver:
         return out
 
     def _send_unsent(self, now: float) -> None:
-        for rid, r in self._in(RecvState.UNSENT).items():
-            reg, addr = r.reg, r.addr
+        for key, r in self._in(RecvState.UNSENT).items():
+            rid, reg, addr = key[0], r.reg, r.addr
             assert reg is not None
             peer = self.peers.get(addr)
             if peer.status == "pending":
                 continue
             if peer.status == "failed":
-                self._fail(rid, f"handshake with prefill engine {reg.remote_engine_id} at "
+                self._fail(key, f"handshake with prefill engine {reg.remote_engine_id} at "
                                 f"{addr[0]}:{addr[1]} failed: {peer.reason}")
                 continue
             try:
@@ -268,23 +313,34 @@ class Receiver:
                     local_block_ids=[list(reg.local_block_ids)],
                     first_block_index=reg.first_block_index,
                     remote_engine_id=reg.remote_engine_id, remote_host=reg.remote_host,
-                    remote_port=reg.remote_port, remote_tp_size=reg.remote_tp_size,
+                    remote_port=addr[1], remote_tp_size=reg.remote_tp_size,
                     prompt_digest=reg.prompt_digest, **self.identity,
                 ))
                 self.t.send_notif(peer.agent_name, msg)
             except Exception as e:  # noqa: BLE001
-                self._fail(rid, f"sending PUSH_REG to {addr[0]}:{addr[1]} failed: {e}")
+                self._fail(key, f"sending PUSH_REG to {addr[0]}:{addr[1]} failed: {e}")
                 continue
             self.stats["kv_push_registrations_sent_total"] += 1
-            self._move(rid, RecvState.WAITING).sent_at = now
+            self._move(key, RecvState.WAITING).sent_at = now
 
-    def _cancel(self, rid: str, failure: str | None) -> None:
-        """WAITING → QUARANTINED: tell P to stop; its WRITE may land until the deadline."""
-        r = self._move(rid, RecvState.QUARANTINED)
-        r.deadline = r.sent_at + 2 * self.ttl + self.grace
-        if failure and not r.released:
-            self.failed_recving[rid] = failure
+    def _tell(self, key: PartKey, reason: str, count: bool = True) -> None:
+        """Report the request failed to the scheduler, once whichever part fails first, and
+        never after its release."""
+        parts = [self.requests[k] for k in self._parts(key[0])]
+        if any(p.told or p.released for p in parts):
+            return
+        self.requests[key].told = True
+        self.failed_recving[key[0]] = reason
+        if count:
             self.stats["kv_recv_failed_total"] += 1
+
+    def _cancel(self, key: PartKey, failure: str | None) -> None:
+        """WAITING → QUARANTINED: tell P to stop; its WRITE may land until the deadline."""
+        rid = key[0]
+        r = self._move(key, RecvState.QUARANTINED)
+        r.deadline = r.sent_at + 2 * self.ttl + self.grace
+        if failure:
+            self._tell(key, failure)
         # Also to a peer declared dead: one that was only frozen or cut off gets the cancel
         # right after our PUSH_REG (same agent pair, in order) and never writes; the
         # quarantine deadline alone would not hold against a P that wakes up late.
@@ -296,21 +352,21 @@ class Receiver:
             except Exception as e:  # noqa: BLE001 - the deadline still bounds the quarantine
                 logger.warning("PUSH_CANCEL for %s to %s:%d failed: %s", rid, *r.addr, e)
 
-    def _fail(self, rid: str, reason: str) -> None:
-        """A request nothing can land in any more will not get its KV (→ SAFE)."""
-        logger.warning("receiving KV for %s failed: %s", rid, reason)
-        if not self.requests[rid].released:
-            self.failed_recving[rid] = reason
-            self.stats["kv_recv_failed_total"] += 1
-        self._move(rid, RecvState.SAFE)
-        self._settle(rid)
+    def _fail(self, key: PartKey, reason: str) -> None:
+        """A part nothing can land in any more will not get its KV (→ SAFE)."""
+        logger.warning("receiving KV for %s (from P rank %d) failed: %s", *key, reason)
+        self._tell(key, reason)
+        self._move(key, RecvState.SAFE)
+        self._settle(key)
 
-    def _settle(self, rid: str) -> None:
-        r = self.requests[rid]
+    def _settle(self, key: PartKey) -> None:
+        """A SAFE, released part is over; the request's blocks go with its last part."""
+        r = self.requests[key]
         if r.state is RecvState.SAFE and r.released:
-            del self.requests[rid]
+            del self.requests[key]
             self._count[RecvState.SAFE] -= 1
-            self.done.add(rid)
+            if not self._parts(key[0]):
+                self.done.add(key[0])
 
     def _heartbeat(self) -> None:
         by_peer: dict[Address, list[str]] = {}
@@ -334,7 +390,7 @@ class Receiver:
         for addr in watched:
             self.peers.probe(addr, lambda a, v, ag: self.probe_results.put((a, v, ag)))
 
-    def _at(self, addr: Address, *states: RecvState) -> list[str]:
+    def _at(self, addr: Address, *states: RecvState) -> list[PartKey]:
         return [rid for rid, r in self.requests.items() if r.addr == addr and r.state in states]
 
     def _peer_dead(self, addr: Address) -> None:

@@ -47,7 +47,7 @@ class PushScheduler(TransferScheduler):
         if isinstance(params, PushDecodeLeg):
             self._meta.queued.append(Queued(request.request_id, params.tid,
                                             params.remote_engine_id, params.remote_host,
-                                            params.remote_port))
+                                            params.remote_port, params.tp_size))
             self._held.add(request.request_id)
 
     def get_num_new_matched_tokens(self, request: TransferRequest, num_computed_tokens: int

@@ -19,6 +19,10 @@ Guarantees:
 - state created by remote input is bounded: at most `MAX_REGS_PER_AGENT` registrations per
   sending agent and `MAX_REGS` in all, none naming more blocks than P's cache holds, and
   at most `MAX_OUTBOX` notifications waiting for a peer (the oldest are dropped).
+- with tensor parallelism, a P rank writes its heads into every D rank holding some of them
+  (docs/design.md §8): one registration per such D rank (keyed by D request id and D rank),
+  one WRITE each, one after the other; the blocks are freed after the last, or at once when
+  one fails (the D ranks not written get PUSH_FAIL);
 - a registration belongs to the NIXL agent that sent it: P WRITEs for it, and answers it,
   only to that agent, and only once the reverse handshake with its decode_host:decode_port
   loaded that same agent; HB and PUSH_CANCEL act only on transfers of the agent that sends
@@ -40,6 +44,7 @@ from kvconnector import wire
 from kvconnector.outbox import Outbox
 from kvconnector.peers import Peers
 from kvconnector.push.meta import FinishedBlocks, heartbeat_id
+from kvconnector.tp_layout import peer_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +53,17 @@ MAX_REGS = 16384
 MAX_OUTBOX = 4096
 
 
+RegKey = tuple[str, int]  # (D request id, D's TP rank): one registration per D rank
+
+
+def reg_key(reg: Any) -> RegKey:
+    return (reg.request_id, reg.decode_tp_rank)
+
+
 class SendState(enum.Enum):
     """Where one P request's staged blocks stand (docs/design.md §6 draws the machine)."""
 
-    STAGED = "staged"  # under lease, no registration matched yet
+    STAGED = "staged"  # under lease, no registration matched yet (or the next D rank's)
     MATCHED = "matched"  # paired with registration `d_id`; the WRITE waits for D's handshake
     WRITING = "writing"  # the WRITE is posted (`write`), not over yet
 
@@ -84,9 +96,11 @@ class Staged:
     blocks: FinishedBlocks
     lease_deadline: float
     state: SendState = SendState.STAGED
-    d_id: str = ""  # MATCHED: the registration it pairs with
+    d_id: RegKey = ("", 0)  # MATCHED: the registration it pairs with
     match_seq: int = 0  # MATCHED: WRITEs are posted in match order
     write: Inflight | None = None  # WRITING
+    expected: int = 1  # D ranks to write (those holding this rank's heads), set at a match
+    written: set[int] = field(default_factory=set)  # D ranks whose WRITE is DONE
 
 
 @dataclass
@@ -107,13 +121,14 @@ class SenderStats:
 class Sender:
     def __init__(self, transport: Any, peers: Peers, clock: Callable[[], float], *,
                  lease: float, ttl: float, tp_size: int, bytes_per_block: int,
-                 stats: SenderStats, num_blocks: int = 1 << 31) -> None:
+                 stats: SenderStats, num_blocks: int = 1 << 31, tp_rank: int = 0) -> None:
         self.t = transport
         self.peers = peers
         self.clock = clock
         self.lease = lease
         self.ttl = ttl
         self.tp_size = tp_size
+        self.tp_rank = tp_rank
         self.bytes_per_block = bytes_per_block
         self.num_blocks = num_blocks  # P's cache: no registration can name more
         self.stats = stats
@@ -123,7 +138,7 @@ class Sender:
         self._seq = itertools.count(1)
         # D's registrations P holds, by D request id, until a WRITE takes one (or it fails):
         # the other side of a match, which may arrive first.
-        self.regs: dict[str, PendingReg] = {}
+        self.regs: dict[RegKey, PendingReg] = {}
         # Transfers P gave up on (by _tomb_key; they outlive the request) -> expiry.
         self.tombstones: dict[str, float] = {}
         self.outbox = Outbox(transport, peers, MAX_OUTBOX,  # notifs waiting for D's peer
@@ -145,7 +160,7 @@ class Sender:
         return {p: s for p, s in self.staged.items() if s.state is state}
 
     @property
-    def ready(self) -> list[tuple[str, str]]:
+    def ready(self) -> list[tuple[str, RegKey]]:
         """(P id, D id) matched, the WRITE waiting for D's peer, in match order."""
         matched = sorted(self._in(SendState.MATCHED).items(), key=lambda x: x[1].match_seq)
         return [(p, s.d_id) for p, s in matched]
@@ -177,7 +192,9 @@ class Sender:
         fb = FinishedBlocks(request_id, transfer_id, [], 0)
         candidates = self._regs_for(fb)
         if candidates:
-            self._fail(self.regs.pop(candidates[0]), "prefill request aborted on P")
+            for key in candidates:  # every D rank's registration of the best match
+                if key[0] == candidates[0][0]:
+                    self._fail(self.regs.pop(key), "prefill request aborted on P")
         else:
             self._tombstone(transfer_id, request_id)
 
@@ -195,8 +212,10 @@ class Sender:
                            agent or "?", refusal)
             self._fail(pending, refusal)
             return
-        peer = self.peers.get(pending.addr)  # start the reverse handshake early
-        held = self.regs.get(reg.request_id)
+        # start the reverse handshake early, with the D rank that registered
+        peer = self.peers.get(pending.addr, reg.decode_tp_rank)
+        key = reg_key(reg)
+        held = self.regs.get(key)
         if held is not None and not self._owner(held, agent, "PUSH_REG"):
             return
         if peer.status == "ready" and not self._owner(pending, peer.agent_name, "PUSH_REG"):
@@ -204,26 +223,26 @@ class Sender:
         if _tomb_key(reg.transfer_id, reg.request_id) in self.tombstones:
             self._fail(pending, "prefill request already ended on P (aborted or expired)")
             return
-        self.regs[reg.request_id] = pending
+        self.regs[key] = pending
         candidates = self._staged_for(reg)
         for pid in candidates:
             if _digest_ok(self.staged[pid].blocks, reg):
-                self._match(pid, reg.request_id)
+                self._match(pid, key)
                 return
         if candidates:
-            self._digest_mismatch(candidates[0], reg.request_id)
+            self._digest_mismatch(candidates[0], key)
 
     def on_heartbeat(self, ids: list[str], agent: str | None = None) -> None:
         """D still waits: `ids` are transfer ids, or base request ids of transfers without.
         A transfer registered by another agent is refused (one not registered yet is not: D
         heartbeats while it queues, before its PUSH_REG)."""
         wanted = set(ids)
-        owners = {heartbeat_id(p.reg.request_id, p.reg.transfer_id): p
-                  for p in self.regs.values()}
-        owners.update((heartbeat_id(w.reg.reg.request_id, w.reg.reg.transfer_id), w.reg)
-                      for w in self.inflight.values())
+        owners: dict[str, list[PendingReg]] = {}  # one registration per D rank
+        for p in [*self.regs.values(), *(w.reg for w in self.inflight.values())]:
+            owners.setdefault(heartbeat_id(p.reg.request_id, p.reg.transfer_id), []).append(p)
         for hid in sorted(wanted & owners.keys()):
-            if not self._owner(owners[hid], agent, "HB"):
+            if not any(p.agent in (None, agent) for p in owners[hid]) and not self._owner(
+                    owners[hid][0], agent, "HB"):
                 wanted.discard(hid)
         deadline = self.clock() + self.lease
         for p_id, staged in self.staged.items():
@@ -237,18 +256,27 @@ class Sender:
         holds is acknowledged to it directly when P knows that agent: its WRITE is over, or
         the tombstone refuses a late PUSH_REG. Without the ACK, D would quarantine the blocks
         for 2 * ttl (e.g. after a lost completion)."""
-        for w in self.inflight.values():
-            if w.reg.reg.request_id == d_request_id:
-                if self._owner(w.reg, agent, "PUSH_CANCEL"):
-                    w.ack_cancel = True  # acknowledged once the WRITE is over
-                return
-        held = self.regs.get(d_request_id)
+        writes = [w for w in self.inflight.values() if w.reg.reg.request_id == d_request_id]
+        mine = [w for w in writes if agent is None or w.reg.agent in (None, agent)]
+        if mine:
+            mine[0].ack_cancel = True  # acknowledged once the WRITE is over
+            return
+        key = self._key_of(d_request_id, agent)
+        held = self.regs.get(key)
+        if held is None and writes:  # another agent's WRITE, nothing of this agent's
+            self._owner(writes[0].reg, agent, "PUSH_CANCEL")  # refused
+            return
         if held is not None and not self._owner(held, agent, "PUSH_CANCEL"):
             return
-        pending = self.regs.pop(d_request_id, None)
+        pending = self.regs.pop(key, None)
         for p_id, staged in self._in(SendState.MATCHED).items():
-            if staged.d_id == d_request_id:
+            if staged.d_id == key:
                 self._move(p_id, SendState.STAGED)  # may pair with another registration
+        if pending is not None:  # a D rank P writes among others gave up: the rest is moot
+            for p_id, staged in self._in(SendState.STAGED).items():
+                if staged.expected > 1 and key[1] not in staged.written and _rank(
+                        staged.blocks, pending.reg) is not None:
+                    self._release(p_id, failed=True)
         self._tombstone(transfer_id, d_request_id)
         ack = wire.encode_push_cancel_ack(d_request_id, transfer_id)
         if pending is not None:
@@ -261,6 +289,13 @@ class Sender:
         else:
             logger.info("cancel for unknown registration %s (transfer %s) from unknown agent "
                         "%s: no ack", d_request_id, transfer_id, agent)
+
+    def _key_of(self, d_request_id: str, agent: str | None) -> RegKey:
+        """The registration of D request `d_request_id` that `agent` (one of D's ranks) holds;
+        another D rank's when none is that agent's (the caller refuses it)."""
+        keys = [k for k in self.regs if k[0] == d_request_id]
+        mine = [k for k in keys if self.regs[k].agent in (None, agent)]
+        return (mine or keys or [(d_request_id, 0)])[0]
 
     # --- the poll -----------------------------------------------------------------
     def poll(self) -> None:
@@ -279,7 +314,11 @@ class Sender:
         n = sum(len(group) for group in reg.local_block_ids)
         if n > self.num_blocks:
             return f"registration names {n} blocks, more than this engine's {self.num_blocks}"
-        if reg.request_id in self.regs:
+        if reg.decode_tp_rank >= reg.decode_tp_size or self.tp_rank not in peer_ranks(
+                reg.decode_tp_rank, reg.decode_tp_size, self.tp_size):
+            return (f"D's TP rank {reg.decode_tp_rank} of {reg.decode_tp_size} holds none of "
+                    f"the KV heads of this P rank ({self.tp_rank} of {self.tp_size})")
+        if reg_key(reg) in self.regs:
             return None  # replaces its own entry
         if len(self.regs) >= MAX_REGS:
             return f"too many pending registrations ({MAX_REGS})"
@@ -306,20 +345,24 @@ class Sender:
         used |= self.outbox.addresses()
         return used
 
-    def _regs_for(self, fb: FinishedBlocks) -> list[str]:
-        """Unmatched registrations naming fb's transfer, best first (see `_rank`)."""
+    def _regs_for(self, fb: FinishedBlocks, written: set[int] | None = None) -> list[RegKey]:
+        """Unmatched registrations naming fb's transfer, best first (see `_rank`), from D
+        ranks not `written` yet."""
         taken = {s.d_id for s in self._in(SendState.MATCHED).values()}
-        ranked = [(r, rid) for rid, p in self.regs.items()
-                  if rid not in taken and (r := _rank(fb, p.reg)) is not None]
-        return [rid for _, rid in sorted(ranked, key=lambda x: x[0])]
+        ranked = [(r, key) for key, p in self.regs.items()
+                  if key not in taken and key[1] not in (written or ())
+                  and (r := _rank(fb, p.reg)) is not None]
+        return [key for _, key in sorted(ranked, key=lambda x: x[0])]
 
     def _staged_for(self, reg: Any) -> list[str]:
-        """Unmatched staged P requests naming reg's transfer, best first."""
+        """Unmatched staged P requests naming reg's transfer, best first, that have not
+        written reg's D rank yet."""
         ranked = [(r, pid) for pid, s in self._in(SendState.STAGED).items()
-                  if (r := _rank(s.blocks, reg)) is not None]
+                  if reg.decode_tp_rank not in s.written
+                  and (r := _rank(s.blocks, reg)) is not None]
         return [pid for _, pid in sorted(ranked, key=lambda x: x[0])]
 
-    def _digest_mismatch(self, p_id: str, d_id: str) -> None:
+    def _digest_mismatch(self, p_id: str, d_id: RegKey) -> None:
         """Same transfer, different prompt: D's registration is refused (D recomputes). With
         a transfer id the transfer is spoiled, so P's blocks go too; without one they stay for
         a registration of their own prompt (a client may reuse a request id)."""
@@ -335,10 +378,13 @@ class Sender:
             self._tombstone(staged.blocks.transfer_id, p_id)
             self._release(p_id, failed=True)
 
-    def _match(self, p_id: str, d_id: str) -> None:
-        """STAGED → MATCHED with registration `d_id`."""
+    def _match(self, p_id: str, d_id: RegKey) -> None:
+        """STAGED → MATCHED with registration `d_id`; the registration's D size says how many
+        D ranks this P rank's heads go to."""
         staged = self._move(p_id, SendState.MATCHED)
         staged.d_id, staged.match_seq = d_id, next(self._seq)
+        reg = self.regs[d_id].reg
+        staged.expected = len(peer_ranks(self.tp_rank, self.tp_size, reg.decode_tp_size))
 
     def _post_ready(self, now: float) -> None:
         for p_id, d_id in self.ready:
@@ -354,7 +400,7 @@ class Sender:
                 # The agent D's address serves is not the one that registered: never write.
                 del self.regs[d_id]
                 self._move(p_id, SendState.STAGED)
-                other = next((r for r in self._regs_for(staged.blocks)  # the rightful one
+                other = next((r for r in self._regs_for(staged.blocks, staged.written)
                               if _digest_ok(staged.blocks, self.regs[r].reg)), None)
                 if other is not None:
                     self._match(p_id, other)
@@ -394,7 +440,8 @@ class Sender:
                     f"P holds {len(staged.blocks.block_ids)}")
         notif = wire.encode_completion(reg.request_id, self.tp_size)
         handle = self.t.write(agent, p_ids, d_ids, notif)
-        nbytes = len(d_ids) * self.bytes_per_block
+        # a WRITE of our heads into a D of another TP size moves part of each block
+        nbytes = getattr(handle, "nbytes", len(d_ids) * self.bytes_per_block)
         self._move(p_id, SendState.WRITING).write = Inflight(p_id, pending, handle, now, nbytes)
         return None
 
@@ -405,7 +452,9 @@ class Sender:
                 continue
             self.t.release(w.handle)
             reg = w.reg.reg
+            staged = self.staged[p_id]
             if state == "DONE":
+                staged.written.add(reg.decode_tp_rank)
                 self.stats.add("kv_push_writes_total")
                 self.stats.add("kv_transfer_bytes_total", w.nbytes)
                 self.stats.add("kv_transfer_seconds_sum", now - w.started)
@@ -417,7 +466,23 @@ class Sender:
                 self._send(w.reg.addr, wire.encode_push_cancel_ack(reg.request_id,
                                                                    reg.transfer_id),
                            w.reg.agent)
-            self._release(p_id, failed=state != "DONE")
+            if state == "DONE" and len(staged.written) < staged.expected:
+                self._next_rank(p_id)
+            else:
+                self._release(p_id, failed=state != "DONE")
+
+    def _next_rank(self, p_id: str) -> None:
+        """WRITING → STAGED after a WRITE to one of several D ranks: pair with the next D
+        rank's registration, now if it is here (the lease still bounds the wait)."""
+        staged = self._move(p_id, SendState.STAGED)
+        staged.write = None
+        if _tomb_key(staged.blocks.transfer_id, p_id) in self.tombstones:  # D cancelled
+            self._release(p_id, failed=True)
+            return
+        for key in self._regs_for(staged.blocks, staged.written):
+            if _digest_ok(staged.blocks, self.regs[key].reg):
+                self._match(p_id, key)
+                return
 
     def _expire(self, now: float) -> None:
         for p_id, staged in list(self.staged.items()):
@@ -435,11 +500,19 @@ class Sender:
                 del self.tombstones[key]
 
     def _release(self, p_id: str, failed: bool) -> None:
-        """The P request ends: its blocks may be freed (whatever its state)."""
+        """The P request ends: its blocks may be freed (whatever its state). A failure while
+        other D ranks still wait for their share fails them too: now if P holds their
+        registrations, by tombstone when they come later."""
         staged = self.staged.pop(p_id, None)
-        if staged is not None:
-            self._count[staged.state] -= 1
-            self.done.add(p_id)
+        if staged is None:
+            return
+        self._count[staged.state] -= 1
+        self.done.add(p_id)
+        if failed and staged.expected > 1:
+            self._tombstone(staged.blocks.transfer_id, p_id)
+            for key in self._regs_for(staged.blocks, staged.written):
+                self._fail(self.regs.pop(key), "prefill engine gave up this transfer (a "
+                                               "WRITE to another D rank failed)")
 
     def _tombstone(self, transfer_id: str | None, request_id: str) -> None:
         self.tombstones[_tomb_key(transfer_id, request_id)] = self.clock() + self.ttl

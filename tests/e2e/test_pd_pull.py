@@ -206,6 +206,10 @@ def test_chat_stream_and_fan_out_through_proxy(pd, reference):
       "remote_port": 1, "tp_size": 1, "num_prompt_tokens": 1, "remote_block_ids": [0]},
      "remote_request_id"),
     ({"do_remote_prefill": "yes"}, "do_remote_prefill"),
+    # a prefill of another TP size (pull reads from TP 1 only; docs/design.md §8)
+    ({"do_remote_prefill": True, "remote_engine_id": "P0", "remote_host": "127.0.0.1",
+      "remote_port": 1, "tp_size": 2, "num_prompt_tokens": 1, "remote_request_id": "r",
+      "remote_block_ids": [0]}, "kv_transfer_params.tp_size"),
 ])
 def test_bad_kv_transfer_params_is_a_400_naming_the_field(pd, params, field):
     body = {"model": "m", "prompt": "hello", "max_tokens": 2, "kv_transfer_params": params}

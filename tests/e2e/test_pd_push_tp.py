@@ -50,11 +50,15 @@ def test_tp2_push_matches_colocated_tp1_and_moves_the_kv(pd_tp2, reference, tiny
     assert_no_leaks(pd_tp2.engines)
 
 
-def test_decode_refuses_a_prefill_of_another_tp_size(pd_tp2, tiny_model):
+@pytest.mark.parametrize(("tp_size", "why"), [(3, "one to divide the other"),
+                                              (4, "KV heads do not split over 4 ranks")])
+def test_decode_refuses_a_prefill_of_a_tp_size_it_cannot_pair(pd_tp2, tp_size, why):
     body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 2,
             "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "P0",
                                    "remote_host": "127.0.0.1", "remote_port": 1234,
-                                   "tp_size": 1}}
+                                   "tp_size": tp_size}}
     r = httpx.post(f"{pd_tp2.d.url}/v1/completions", json=body, timeout=30)
     assert r.status_code == 400
-    assert "kv_transfer_params.tp_size" in r.json()["error"]["message"]
+    message = r.json()["error"]["message"]
+    assert "kv_transfer_params.tp_size" in message and why in message
+    assert f"tensor_parallel_size {tp_size}, this decode engine 2" in message

@@ -25,7 +25,7 @@ class Peers:
     def __init__(self) -> None:
         self.states: dict[tuple[str, int], PeerState] = {}
 
-    def get(self, addr):
+    def get(self, addr, tp_rank=None):
         return self.states.setdefault(addr, PeerState("pending"))
 
     def finish(self, addr, agent: str) -> None:
@@ -102,10 +102,10 @@ def test_p_acts_on_heartbeats_and_cancels_only_from_the_registering_agent():
     sender.on_heartbeat(["t-1"], agent="rogue-tp0")
     sender.on_cancel("d-1", "t-1", agent="rogue-tp0")
     sender.on_registration(_reg("d-1", "t-2"), agent="rogue-tp0")  # same D id, another agent
-    assert sender.refused == 3 and sender.regs["d-1"].agent == "D0-tp0"
+    assert sender.refused == 3 and sender.regs[("d-1", 0)].agent == "D0-tp0"
     assert not sender.tombstones
     sender.on_cancel("d-1", "t-1", agent="D0-tp0")
-    assert "d-1" not in sender.regs
+    assert ("d-1", 0) not in sender.regs
     assert [wire.notif_kind(m) for _, m in t.sent] == ["PUSH_CANCEL_ACK"]
 
 

@@ -38,7 +38,7 @@ class FakePeers:
     def __init__(self, agent: str) -> None:
         self.state = PeerState("ready", agent_name=agent, engine_id="X")
 
-    def get(self, addr):
+    def get(self, addr, tp_rank=None):
         return self.state
 
     def known_agent(self, addr):
@@ -195,7 +195,7 @@ def test_p_refuses_registrations_beyond_its_caps(monkeypatch):
     huge = wire.PushReg(**{**msgspec.structs.asdict(wire.decode_notif(_reg("d-x", "t-x"))),
                            "local_block_ids": [list(range(17))]})
     sender.on_registration(huge, agent=D_AGENT)
-    assert sorted(sender.regs) == ["d-0", "d-1", "d-2"]
+    assert sorted(sender.regs) == [("d-0", 0), ("d-1", 0), ("d-2", 0)]
     assert sender.stats.counters["kv_push_registrations_refused_total"] == 3
     assert t.kinds().count("PUSH_FAIL") == 3
 

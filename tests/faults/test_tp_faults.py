@@ -5,6 +5,9 @@
   and takes rank 0 down), so each of D's ranks finds its P rank's side channel gone: every
   request through the proxy is still answered (D recomputes), token for token as colocated,
   and D has every block back on every rank.
+- The same kill with P at TP=2 and D at TP=1 (docs/design.md §8, heterogeneous sizes): D's
+  one rank waits on two parts per request, one per P rank; both P side channels go, every
+  request is still answered token for token and D has every block back.
 - Seeded random WRITE failures on P's ranks: a request one rank of which got PUSH_FAIL while
   the other's KV landed is recomputed (a failure on any rank wins), answers stay right, and
   both engines end with every block back and every table empty.
@@ -44,11 +47,14 @@ TP2 = ("--tensor-parallel-size", "2")
 NUM_BLOCKS = 256
 
 
-def test_killing_p_rank1_mid_transfer_answers_every_request_and_leaks_nothing(tiny_model,
-                                                                               reference):
-    with cluster(tiny_model, num_blocks=NUM_BLOCKS, name="tp-rank-death",
+def _kill_p_rank1_mid_transfer(tiny_model: str, reference, name: str,
+                               d_args: tuple[str, ...], parts: int) -> None:
+    """P at TP=2 holds its completions back; once D waits on `parts` parts (summed over D's
+    ranks) for every request, SIGKILL P's rank-1 worker. Every request must still be
+    answered right, and D must have every block back."""
+    with cluster(tiny_model, num_blocks=NUM_BLOCKS, name=name,
                  p_extra={"fault_injection": {"delay_notif": {"COMPLETION": 60.0}}},
-                 p_args=TP2, d_args=[TP2], proxy_args=("--request-timeout", "120")) as dep:
+                 p_args=TP2, d_args=[d_args], proxy_args=("--request-timeout", "120")) as dep:
         d = dep.d
         ps = prompts(4, seed=601, lo=100, hi=200)
         rank1 = psutil.Process(engine_stats(dep.p)["tp_worker_pids"][1])
@@ -56,17 +62,27 @@ def test_killing_p_rank1_mid_transfer_answers_every_request_and_leaks_nothing(ti
         async def run() -> tuple[list, float]:
             tasks = [asyncio.create_task(stream_sse(dep.proxy.url, plain(p), f"tp-{i}",
                                                     timeout=120)) for i, p in enumerate(ps)]
-            # every request waits on both of D's ranks (tables are summed over the ranks)
-            await asyncio.to_thread(wait_for, lambda: table(d, "d_waiting") == 2 * len(ps),
-                                    60, "both D ranks to wait for P's KV for every request")
+            # tables are summed over D's ranks
+            await asyncio.to_thread(wait_for, lambda: table(d, "d_waiting") == parts * len(ps),
+                                    60, "D to wait for every P rank's KV for every request")
             rank1.send_signal(signal.SIGKILL)
             killed = time.monotonic()
             return await asyncio.gather(*tasks), killed
 
         results, killed = asyncio.run(run())
-        # one peer gone per D rank
+        # both P ranks' side channels go (P's engine fails as a whole)
         assert_d_recovered_from_p_death(d, results, reference(ps), NUM_BLOCKS, killed,
                                         within_s=15.0, peers_gone=2)
+
+
+def test_killing_p_rank1_mid_transfer_answers_every_request_and_leaks_nothing(tiny_model,
+                                                                               reference):
+    _kill_p_rank1_mid_transfer(tiny_model, reference, "tp-rank-death", TP2, parts=2)
+
+
+def test_killing_p_rank1_of_a_tp2_prefill_feeding_a_tp1_decode_leaks_nothing(tiny_model,
+                                                                            reference):
+    _kill_p_rank1_mid_transfer(tiny_model, reference, "tp-hetero-rank-death", (), parts=2)
 
 
 def test_random_write_failures_on_single_ranks_recompute_and_leak_nothing(tiny_model,

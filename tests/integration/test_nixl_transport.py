@@ -465,6 +465,25 @@ def test_bench_transfer_reports_design_keys_and_moves_the_right_bytes(tmp_path) 
         result["gbps"] / result["memcpy_gbps"], rel=0.01)
 
 
+def test_bench_transfer_split_heads_writes_half_the_heads_as_runs(tmp_path) -> None:
+    """P holds KV head 0 of 2 (a TP=2 rank) and writes it into D's blocks holding both: one
+    descriptor per (block, layer, K/V, token), landing in head 0 of D's blocks only."""
+    import json
+
+    from kvconnector import bench_transfer
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "hidden_size": 64}))
+    result = bench_transfer.run(str(model), num_tokens=100, block_size=16, iters=2, warmup=1,
+                                layout="scattered", split_heads=True)
+    assert result["bytes"] == 7 * 2 * 2 * 16 * 1 * 16 * 4  # one of the 2 heads
+    assert result["descriptors"] == 7 * 2 * 2 * 16 and result["whole_descriptors"] == 7
+    assert result["verified"] is True and result["split_over_whole_write_time"] > 0
+
+
 # ---------------------------------------------------------------- in-process details
 
 
@@ -557,3 +576,31 @@ def test_faults_by_rank_spare_the_other_ranks() -> None:
     finally:
         for t in (*ranks, sink):
             t.shutdown()
+
+
+def test_a_peer_of_another_tp_size_pairs_by_heads_and_a_foreign_split_is_refused() -> None:
+    """In one process: a TP=2 rank (head 1 of 2) loads a TP=1 peer holding both heads without
+    preparing its blocks; a peer claiming another model's split is refused, naming both."""
+    import torch
+
+    from kvconnector.nixl import NixlTransport, TransferError
+    from kvconnector.tp_layout import HeadLayout
+
+    def transport(name: str, heads: int, first: int, total: int, tp: int) -> NixlTransport:
+        layout = HeadLayout(2, 4, heads, first, total, 8, 4)
+        cache = torch.zeros(8, 2, 2, 4, heads, 8)
+        return NixlTransport(name, cache, layout.bytes_per_block, engine_id=name, block_size=4,
+                             compat_hash=HASH, layout=layout, tp_rank=first // heads,
+                             tp_size=tp)
+
+    p1, d, odd = transport("p-tp1", 1, 1, 2, 2), transport("d", 2, 0, 2, 1), None
+    try:
+        assert p1.add_peer(d.local_metadata(), "d:1") == "d"
+        assert p1._peers["d"].dlist is None and p1._peers["d"].layout.heads == 2
+        odd = transport("odd", 2, 0, 4, 2)  # 2 of 4 heads: another model's split
+        with pytest.raises(TransferError, match="not a split of the same model's heads"):
+            p1.add_peer(odd.local_metadata(), "odd:1")
+    finally:
+        for t in (p1, d, odd):
+            if t is not None:
+                t.shutdown()

@@ -33,6 +33,7 @@ DESIGN_FIELDS = {
     "request_id", "transfer_id", "decode_engine_id", "decode_host", "decode_port",
     "decode_tp_size", "local_block_ids", "first_block_index", "remote_engine_id", "remote_host",
     "remote_port", "remote_tp_size", "prompt_digest",
+    "decode_tp_rank",  # docs/design.md §3: which D rank registers (heterogeneous TP, §8)
 }
 
 
@@ -51,6 +52,13 @@ def test_push_reg_round_trips_with_exactly_the_design_fields() -> None:
     assert raw.startswith(b"PUSH_REG:")
     assert set(msgspec.msgpack.decode(raw[len(b"PUSH_REG:"):])) == DESIGN_FIELDS
     assert decode_notif(raw) == REG
+
+
+def test_push_reg_without_a_decode_rank_reads_as_rank_0() -> None:
+    data = _reg_map()
+    del data["decode_tp_rank"]
+    raw = b"PUSH_REG:" + msgspec.msgpack.encode(data)
+    assert decode_notif(raw).decode_tp_rank == 0
 
 
 def test_every_message_round_trips() -> None:
@@ -157,8 +165,8 @@ def test_push_reg_with_wrong_fields_is_malformed(changes: dict) -> None:
         decode_notif(_push_reg_raw(_reg_map(**changes)))
 
 
-def test_push_reg_missing_any_field_but_the_digest_is_malformed() -> None:
-    for name in DESIGN_FIELDS - {"prompt_digest"}:
+def test_push_reg_missing_any_field_but_the_digest_and_rank_is_malformed() -> None:
+    for name in DESIGN_FIELDS - {"prompt_digest", "decode_tp_rank"}:
         data = _reg_map()
         del data[name]
         with pytest.raises(MalformedNotif):
