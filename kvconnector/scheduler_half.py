@@ -6,9 +6,11 @@ blocks a transfer may still touch (`_held`) until the worker reports the id in
 `finished_sending`. A request's kv_transfer_params are decoded once, on arrival, into the
 typed `request.kv_params` (`kvconnector.params`; params that do not decode mean no transfer:
 the request is computed locally); the halves read only that afterwards. D's receipts and
-failures arrive in `update_connector_output`: a failure wins over a receipt of the same id,
-and under `kv_load_failure_policy` "recompute" each counts one `kv_recompute_fallback_total`
-(the engine's scheduler does the recompute).
+failures arrive in `update_connector_output`: a failure wins over a receipt of the same id;
+each failed request still expected counts one `kv_recv_failed_total` and, under
+`kv_load_failure_policy` "recompute", one `kv_recompute_fallback_total` (the engine's
+scheduler does the recompute). Counted here, not in the worker halves, so a request counts
+once however many tensor-parallel ranks failed it (docs/design.md §8).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class TransferScheduler(KVConnectorScheduler):
         self._meta = self.meta_type()
         self._held: set[str] = set()  # requests whose blocks wait for the worker's word
         self.stats: dict[str, float] = {"kv_remote_prefill_tokens_total": 0,
+                                        "kv_recv_failed_total": 0,
                                         "kv_recompute_fallback_total": 0}
 
     def num_blocks(self, num_tokens: int) -> int:
@@ -104,7 +107,10 @@ class TransferScheduler(KVConnectorScheduler):
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.failed_recving:  # first: a failure wins over a receipt
-            if self._recv_failed(rid) and self.load_failure_policy == "recompute":
+            if not self._recv_failed(rid):
+                continue
+            self.stats["kv_recv_failed_total"] += 1
+            if self.load_failure_policy == "recompute":
                 self.stats["kv_recompute_fallback_total"] += 1
         for rid in output.finished_recving:
             self.stats["kv_remote_prefill_tokens_total"] += self._recv_done(rid)

@@ -5,9 +5,11 @@ finished. `KVOutputAggregator` turns the N per-rank reports into the one the sch
 expects: a request's blocks may be freed (`finished_sending`) and its remote KV has landed
 (`finished_recving`) only once **every** rank said so; a failed receipt on any rank fails the
 request at once (the scheduler recomputes or fails it), and the other ranks' later word on
-it is dropped. Counters are the per-rank cumulative counters summed: as of each rank's last
-step report, or fresh from every rank when a scrape asks (`TPConnectorView.refresh_stats`;
-an idle engine takes no steps, yet its ranks' writer threads count what peers send).
+it is dropped. Counters are the per-rank cumulative counters summed (the per-request ones,
+e.g. `kv_recv_failed_total`, are the scheduler half's: docs/design.md §3): as of each
+rank's last step report, or fresh from every rank when a scrape asks
+(`TPConnectorView.refresh_stats`; an idle engine takes no steps, yet its ranks' writer
+threads count what peers send).
 
 Thread: the engine-core thread only.
 """

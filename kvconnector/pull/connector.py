@@ -29,7 +29,7 @@ __all__ = ["PullWorker", "make", "request_params_validator"]
 def _new_stats() -> dict[str, float]:
     return {"kv_pull_reads_total": 0, "kv_transfer_bytes_total": 0,
             "kv_transfer_seconds_sum": 0.0, "kv_transfer_seconds_count": 0,
-            "kv_recv_failed_total": 0, "kv_pull_leases_total": 0,
+            "kv_pull_leases_total": 0,
             "kv_pull_leases_returned_total": 0, "kv_lease_expired_total": 0}
 
 

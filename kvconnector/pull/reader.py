@@ -166,7 +166,6 @@ class Reader:
     def _fail(self, rid: str, reason: str) -> None:
         logger.warning("receiving KV for %s failed: %s", rid, reason)
         self.failed_recving[rid] = reason
-        self.stats["kv_recv_failed_total"] += 1
 
     def _suspect(self, claim: Claim, reason: str) -> None:
         """P may have died or restarted: handshake afresh (after Peers' retry delay) instead

@@ -49,7 +49,7 @@ class PushWorker(NixlWorker):
         receiver = Receiver(transport, peers, clock, identity=identity, ttl=self.ttl,
                             hb_interval=self.hb_interval, grace=self.lease / 6,
                             stats={"kv_push_registrations_sent_total": 0,
-                                   "kv_recv_failed_total": 0, "kv_peer_gone_total": 0,
+                                   "kv_peer_gone_total": 0,
                                    "kv_push_cancel_acks_received_total": 0},
                             tp_rank=self.tp_rank, tp_size=self.tp_size)
         return PushWriter(transport, peers, sender, receiver, wake, clock)

@@ -209,7 +209,7 @@ class Receiver:
             return
         state = self._state(key)
         if state is RecvState.WAITING:
-            self._tell(key, f"prefill engine will not write: {reason}", count=True)
+            self._tell(key, f"prefill engine will not write: {reason}")
         elif state is not RecvState.QUARANTINED:  # cancelled: its failure is already told
             logger.warning("PUSH_FAIL for unknown request %s dropped", rid)
             return
@@ -323,16 +323,14 @@ class Receiver:
             self.stats["kv_push_registrations_sent_total"] += 1
             self._move(key, RecvState.WAITING).sent_at = now
 
-    def _tell(self, key: PartKey, reason: str, count: bool = True) -> None:
+    def _tell(self, key: PartKey, reason: str) -> None:
         """Report the request failed to the scheduler, once whichever part fails first, and
-        never after its release."""
+        never after its release (the scheduler half counts `kv_recv_failed_total`)."""
         parts = [self.requests[k] for k in self._parts(key[0])]
         if any(p.told or p.released for p in parts):
             return
         self.requests[key].told = True
         self.failed_recving[key[0]] = reason
-        if count:
-            self.stats["kv_recv_failed_total"] += 1
 
     def _cancel(self, key: PartKey, failure: str | None) -> None:
         """WAITING → QUARANTINED: tell P to stop; its WRITE may land until the deadline."""

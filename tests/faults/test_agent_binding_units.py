@@ -116,7 +116,7 @@ def test_d_acts_on_p_notifications_only_from_the_agent_loaded_for_that_p():
                 "decode_port": D_ADDR[1], "decode_tp_size": 1}
     r = Receiver(t, peers, lambda: 100.0, identity=identity, ttl=10.0, hb_interval=1.0,
                  grace=1.0,
-                 stats={"kv_push_registrations_sent_total": 0, "kv_recv_failed_total": 0})
+                 stats={"kv_push_registrations_sent_total": 0})
     r.on_registration(Registration("d-1", "t-1", [7, 8], 0, 20, "P0", *P_ADDR, 1))
     r.poll()
     assert "d-1" in r.waiting

@@ -49,8 +49,8 @@ def _receiver(t: FakeTransport, peers: AgentPeers) -> Receiver:
     identity = {"decode_engine_id": "D0", "decode_host": HOST, "decode_port": D_PORT,
                 "decode_tp_size": 1, "decode_tp_rank": 0}
     return Receiver(t, peers, Clock(), identity=identity, ttl=10.0, hb_interval=1.0,
-                    grace=1.0, stats={"kv_push_registrations_sent_total": 0,
-                                      "kv_recv_failed_total": 0}, tp_rank=0, tp_size=1)
+                    grace=1.0, stats={"kv_push_registrations_sent_total": 0},
+                    tp_rank=0, tp_size=1)
 
 
 def _registered(r: Receiver, t: FakeTransport) -> list[wire.PushReg]:

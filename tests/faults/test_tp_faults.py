@@ -73,6 +73,11 @@ def _kill_p_rank1_mid_transfer(tiny_model: str, reference, name: str,
         # both P ranks' side channels go (P's engine fails as a whole)
         assert_d_recovered_from_p_death(d, results, reference(ps), NUM_BLOCKS, killed,
                                         within_s=15.0, peers_gone=2)
+        # request counters count once per request, however many D ranks or parts failed
+        # (docs/design.md §8)
+        counters = engine_stats(d)["kv_connector"]
+        assert counters["kv_recv_failed_total"] == len(ps)
+        assert counters["kv_recompute_fallback_total"] == len(ps)
 
 
 def test_killing_p_rank1_mid_transfer_answers_every_request_and_leaks_nothing(tiny_model,

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from engine.config import KVTransferConfig
 from engine.executor.kv_outputs import KVOutputAggregator, TPConnectorView
-from engine.kv_connector import KVConnectorOutput
+from engine.kv_connector import KVCacheSpec, KVConnectorOutput
+from kvconnector.push.scheduler import PushScheduler
 
 
 def _out(sending=(), recving=(), failed=None, stats=None) -> dict:
@@ -36,6 +40,20 @@ def test_counters_are_summed_over_ranks_and_typed_outputs_pass():
     agg = KVOutputAggregator(2)
     agg.combine([KVConnectorOutput(stats={"w": 3}), _out(stats={"w": 4, "x": 1})])
     assert agg.stats() == {"w": 7, "x": 1}
+
+
+def test_a_request_failed_on_every_rank_counts_once():
+    """`kv_recv_failed_total` and `kv_recompute_fallback_total` count requests (docs/design.md
+    §8): both D ranks failing one request (P died) is one failed request, not two."""
+    kv = KVTransferConfig(kv_connector="NixlPushConnector", engine_id="D0", kv_port=1)
+    spec = KVCacheSpec(num_blocks=8, block_size=4, num_layers=1, num_kv_heads=2, head_dim=4,
+                       dtype="float32", bytes_per_block=64, model_name="m")
+    sched = PushScheduler(SimpleNamespace(kv_transfer_config=kv), spec)
+    agg = KVOutputAggregator(2)
+    sched.update_connector_output(agg.combine([_out(failed={"a": "P gone"}), _out()]))
+    sched.update_connector_output(agg.combine([_out(), _out(failed={"a": "P gone"})]))
+    stats = {**sched.get_stats(), **agg.stats()}  # as EngineCore.make_stats merges them
+    assert stats["kv_recv_failed_total"] == 1 and stats["kv_recompute_fallback_total"] == 1
 
 
 class _Ranks:
