@@ -10,7 +10,9 @@ PUSH_FAIL (D recomputes) and counts `kv_push_digest_mismatch_total`.
 Guarantees:
 - blocks staged here are reported free-able (`done`) exactly once: after their WRITE
   completed or failed, or at lease expiry (HB from D extends the lease; D names a transfer
-  by its transfer_id, or by its base request id when it has none);
+  by its transfer_id, or by its base request id when it has none), or at once when they
+  arrive for a transfer P already gave up on (its tombstone: D cancelled before the
+  prefill ended);
 - no WRITE is ever posted for a registration older than `ttl` (measured on P), nor for
   one D cancelled; a cancel is acknowledged only once no WRITE for it can still land;
 - whenever P will not write a registration it knows of, it tells D (PUSH_FAIL): any error on
@@ -176,6 +178,9 @@ class Sender:
         old = self.staged.pop(fb.request_id, None)
         if old is not None:
             self._count[old.state] -= 1
+        if _tomb_key(fb.transfer_id, fb.request_id) in self.tombstones:
+            self._drop_given_up(fb)
+            return
         self.staged[fb.request_id] = Staged(fb, self.clock() + self.lease)
         self._count[SendState.STAGED] += 1
         candidates = self._regs_for(fb)
@@ -186,6 +191,17 @@ class Sender:
         for rid in candidates:  # same transfer, another prompt: none of them may have these
             if fb.request_id in self.staged:
                 self._digest_mismatch(fb.request_id, rid)
+
+    def _drop_given_up(self, fb: FinishedBlocks) -> None:
+        """P prefilled a transfer it had already given up on (D cancelled it before the prefill
+        ended; that cancel was acknowledged then, and the tombstone refuses a late PUSH_REG):
+        nothing will be written, so the blocks go now, not at lease expiry. A registration
+        another D rank left for it gets PUSH_FAIL."""
+        logger.info("prefill of %s ended after its transfer was given up: freeing its blocks",
+                    fb.request_id)
+        self.done.add(fb.request_id)
+        for key in self._regs_for(fb):
+            self._fail(self.regs.pop(key), "prefill engine gave up this transfer (cancelled)")
 
     def on_aborted(self, request_id: str, transfer_id: str | None) -> None:
         """P's request ended without blocks to send: fail D's registration, now or later."""

@@ -30,6 +30,7 @@ from fault_kit import (
 from pd_harness import assert_no_leaks, engine_stats
 
 TTL = 6.0
+LEASE = 4.0
 ACK_DELAY = 1.5
 ACKS = "kv_push_cancel_acks_received_total"
 P_FAULTS = {"delay_notif": {"PUSH_CANCEL_ACK": ACK_DELAY, "COMPLETION": 1.0},
@@ -45,7 +46,7 @@ def tp(request) -> int:
 def dep(tiny_model: str, tp: int):
     tp_args = ("--tensor-parallel-size", str(tp))
     with cluster(tiny_model, name=f"cancel-tp{tp}", p_args=tp_args, d_args=[tp_args],
-                 extra={"kv_lease_duration": 2.0, "push_registration_timeout": TTL},
+                 extra={"kv_lease_duration": LEASE, "push_registration_timeout": TTL},
                  p_extra={"fault_injection": P_FAULTS}) as d:
         yield d
 
@@ -117,9 +118,13 @@ def _abort_after_registration(dep, reference, tp: int, tid: str | None) -> None:
     held = asyncio.run(run())
     assert ACK_DELAY * 0.8 <= held < 2 * TTL, f"blocks held {held:.1f}s"
     assert kv_stat(dep.d, ACKS) == acks + tp  # each P rank acknowledged its rank's cancel
-    # P's leg still comes; P must not write into blocks D has freed.
+    # P's leg still comes; P must not write into blocks D has freed, and frees them as soon
+    # as its prefill is over (the transfer is tombstoned), not at lease expiry.
+    expired = metric(dep.p, "pdserve:kv_lease_expired_total")
     assert asyncio.run(post(dep.p.url, p_leg, rid)).status_code == 200
-    wait_for(lambda: table(dep.p, "p_staged") == 0, 10, "P to drop its blocks")
+    wait_for(lambda: _freed(dep.p) and table(dep.p, "p_staged") == 0, LEASE / 2,
+             "P to free the blocks of a transfer D cancelled")
+    assert metric(dep.p, "pdserve:kv_lease_expired_total") == expired
     assert metric(dep.p, "pdserve:kv_push_writes_total") == writes
     assert_no_leaks(dep.engines)
     _check_no_corruption(dep, reference, 302)

@@ -192,3 +192,21 @@ def test_p_frees_its_blocks_when_a_d_rank_cancels_between_writes():
     assert not s.done and s.staged["p-0"].state.name == "MATCHED"
     s.on_cancel("d-0", "t-0", agent="D0-tp1")
     assert s.done == {"p-0"} and not s.staged and not s.regs and len(t.writes) == 1
+
+
+def test_p_frees_at_once_the_blocks_of_a_transfer_cancelled_before_its_prefill_ended():
+    """D rank 0 cancels while P still prefills (acknowledged at once: nothing of it is in
+    flight); when the prefill ends its blocks go then, not at lease expiry, and D rank 1's
+    registration gets PUSH_FAIL."""
+    t, peers = FakeTransport(("D0-tp0", "D0-tp1")), AgentPeers("D0", D_PORT)
+    s = _sender(t, peers)
+    s.on_registration(_reg(0), agent="D0-tp0")
+    s.on_registration(_reg(1), agent="D0-tp1")
+    s.on_cancel("d-0", "t-0", agent="D0-tp0")
+    s.poll()
+    assert [a for a, m in t.sent if m.startswith(b"PUSH_CANCEL_ACK:")] == ["D0-tp0"]
+    s.on_finished_blocks(FinishedBlocks("p-0", "t-0", [1, 2], 20, DIGEST))
+    s.poll()
+    assert s.done == {"p-0"} and not s.staged and not s.regs and not t.writes
+    assert [a for a, m in t.sent if m.startswith(b"PUSH_FAIL:")] == ["D0-tp1"]
+    assert s.stats.counters["kv_lease_expired_total"] == 0
