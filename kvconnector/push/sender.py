@@ -23,8 +23,9 @@ Guarantees:
   at most `MAX_OUTBOX` notifications waiting for a peer (the oldest are dropped).
 - with tensor parallelism, a P rank writes its heads into every D rank holding some of them
   (docs/design.md §8): one registration per such D rank (keyed by D request id and D rank),
-  one WRITE each, one after the other; the blocks are freed after the last, or at once when
-  one fails (the D ranks not written get PUSH_FAIL);
+  one WRITE each, posted as soon as that registration is matched and its D rank reachable,
+  without waiting for another D rank's WRITE; the blocks are freed once the last WRITE is
+  over, never while one is in flight; when one fails the D ranks not written get PUSH_FAIL;
 - a registration belongs to the NIXL agent that sent it: P WRITEs for it, and answers it,
   only to that agent, and only once the reverse handshake with its decode_host:decode_port
   loaded that same agent; HB and PUSH_CANCEL act only on transfers of the agent that sends
@@ -66,8 +67,8 @@ class SendState(enum.Enum):
     """Where one P request's staged blocks stand (docs/design.md §6 draws the machine)."""
 
     STAGED = "staged"  # under lease, no registration matched yet (or the next D rank's)
-    MATCHED = "matched"  # paired with registration `d_id`; the WRITE waits for D's handshake
-    WRITING = "writing"  # the WRITE is posted (`write`), not over yet
+    MATCHED = "matched"  # paired with registrations `matched`; their WRITEs wait for D's peer
+    WRITING = "writing"  # a WRITE is posted (`writes`), not over yet (more may be matched)
 
 
 @dataclass
@@ -98,11 +99,21 @@ class Staged:
     blocks: FinishedBlocks
     lease_deadline: float
     state: SendState = SendState.STAGED
-    d_id: RegKey = ("", 0)  # MATCHED: the registration it pairs with
-    match_seq: int = 0  # MATCHED: WRITEs are posted in match order
-    write: Inflight | None = None  # WRITING
+    matched: list[RegKey] = field(default_factory=list)  # paired, WRITE not posted yet
+    match_seq: int = 0  # WRITEs are posted in match order
+    writes: dict[int, Inflight] = field(default_factory=dict)  # D rank -> its WRITE in flight
     expected: int = 1  # D ranks to write (those holding this rank's heads), set at a match
     written: set[int] = field(default_factory=set)  # D ranks whose WRITE is DONE
+    failed: bool = False  # given up while a WRITE was in flight: freed once it is over
+
+    def busy_ranks(self) -> set[int]:
+        """D ranks written, being written or matched."""
+        return self.written | self.writes.keys() | {k[1] for k in self.matched}
+
+    def takes(self, d_rank: int) -> bool:
+        """Whether a registration of D rank `d_rank` may still pair with these blocks."""
+        busy = self.busy_ranks()
+        return not self.failed and d_rank not in busy and len(busy) < self.expected
 
 
 @dataclass
@@ -156,6 +167,12 @@ class Sender:
         s.state = state
         return s
 
+    def _sync(self, p_id: str) -> Staged:
+        """The state its WRITEs and matches say: WRITING, MATCHED or STAGED."""
+        s = self.staged[p_id]
+        return self._move(p_id, SendState.WRITING if s.writes else
+                          SendState.MATCHED if s.matched else SendState.STAGED)
+
     def _in(self, state: SendState) -> dict[str, Staged]:
         if not self._count[state]:
             return {}
@@ -164,14 +181,14 @@ class Sender:
     @property
     def ready(self) -> list[tuple[str, RegKey]]:
         """(P id, D id) matched, the WRITE waiting for D's peer, in match order."""
-        matched = sorted(self._in(SendState.MATCHED).items(), key=lambda x: x[1].match_seq)
-        return [(p, s.d_id) for p, s in matched]
+        matched = [(s.match_seq, p, k) for state in (SendState.MATCHED, SendState.WRITING)
+                   for p, s in self._in(state).items() for k in s.matched]
+        return [(p, k) for _, p, k in sorted(matched)]
 
     @property
-    def inflight(self) -> dict[str, Inflight]:
-        """P request id -> its posted WRITE."""
-        return {p: s.write for p, s in self._in(SendState.WRITING).items()
-                if s.write is not None}
+    def inflight(self) -> list[Inflight]:
+        """The posted WRITEs (several per P request when it writes several D ranks)."""
+        return [w for s in self._in(SendState.WRITING).values() for w in s.writes.values()]
 
     # --- events -------------------------------------------------------------------
     def on_finished_blocks(self, fb: FinishedBlocks) -> None:
@@ -184,10 +201,12 @@ class Sender:
         self.staged[fb.request_id] = Staged(fb, self.clock() + self.lease)
         self._count[SendState.STAGED] += 1
         candidates = self._regs_for(fb)
-        for rid in candidates:
-            if _digest_ok(fb, self.regs[rid].reg):
+        staged = self.staged[fb.request_id]
+        for rid in candidates:  # every D rank's registration: their WRITEs go at once
+            if _digest_ok(fb, self.regs[rid].reg) and staged.takes(rid[1]):
                 self._match(fb.request_id, rid)
-                return
+        if staged.matched:
+            return
         for rid in candidates:  # same transfer, another prompt: none of them may have these
             if fb.request_id in self.staged:
                 self._digest_mismatch(fb.request_id, rid)
@@ -254,7 +273,7 @@ class Sender:
         heartbeats while it queues, before its PUSH_REG)."""
         wanted = set(ids)
         owners: dict[str, list[PendingReg]] = {}  # one registration per D rank
-        for p in [*self.regs.values(), *(w.reg for w in self.inflight.values())]:
+        for p in [*self.regs.values(), *(w.reg for w in self.inflight)]:
             owners.setdefault(heartbeat_id(p.reg.request_id, p.reg.transfer_id), []).append(p)
         for hid in sorted(wanted & owners.keys()):
             if not any(p.agent in (None, agent) for p in owners[hid]) and not self._owner(
@@ -272,7 +291,7 @@ class Sender:
         holds is acknowledged to it directly when P knows that agent: its WRITE is over, or
         the tombstone refuses a late PUSH_REG. Without the ACK, D would quarantine the blocks
         for 2 * ttl (e.g. after a lost completion)."""
-        writes = [w for w in self.inflight.values() if w.reg.reg.request_id == d_request_id]
+        writes = [w for w in self.inflight if w.reg.reg.request_id == d_request_id]
         mine = [w for w in writes if agent is None or w.reg.agent in (None, agent)]
         if mine:
             mine[0].ack_cancel = True  # acknowledged once the WRITE is over
@@ -285,14 +304,15 @@ class Sender:
         if held is not None and not self._owner(held, agent, "PUSH_CANCEL"):
             return
         pending = self.regs.pop(key, None)
-        for p_id, staged in self._in(SendState.MATCHED).items():
-            if staged.d_id == key:
-                self._move(p_id, SendState.STAGED)  # may pair with another registration
+        for p_id, staged in list(self.staged.items()):
+            if key in staged.matched:
+                staged.matched.remove(key)  # may pair with another registration
+                self._sync(p_id)
         if pending is not None:  # a D rank P writes among others gave up: the rest is moot
-            for p_id, staged in self._in(SendState.STAGED).items():
+            for p_id, staged in list(self.staged.items()):
                 if staged.expected > 1 and key[1] not in staged.written and _rank(
                         staged.blocks, pending.reg) is not None:
-                    self._release(p_id, failed=True)
+                    self._give_up(p_id)
         self._tombstone(transfer_id, d_request_id)
         ack = wire.encode_push_cancel_ack(d_request_id, transfer_id)
         if pending is not None:
@@ -357,25 +377,24 @@ class Sender:
     def addresses_in_use(self) -> set[tuple[str, int]]:
         """D addresses a registration, WRITE or notification still needs."""
         used = {p.addr for p in self.regs.values()}
-        used |= {w.reg.addr for w in self.inflight.values()}
+        used |= {w.reg.addr for w in self.inflight}
         used |= self.outbox.addresses()
         return used
 
-    def _regs_for(self, fb: FinishedBlocks, written: set[int] | None = None) -> list[RegKey]:
+    def _regs_for(self, fb: FinishedBlocks, busy: set[int] | None = None) -> list[RegKey]:
         """Unmatched registrations naming fb's transfer, best first (see `_rank`), from D
-        ranks not `written` yet."""
-        taken = {s.d_id for s in self._in(SendState.MATCHED).values()}
+        ranks not in `busy` (written, being written or matched)."""
+        taken = {k for s in self.staged.values() for k in s.matched}
         ranked = [(r, key) for key, p in self.regs.items()
-                  if key not in taken and key[1] not in (written or ())
+                  if key not in taken and key[1] not in (busy or ())
                   and (r := _rank(fb, p.reg)) is not None]
         return [key for _, key in sorted(ranked, key=lambda x: x[0])]
 
     def _staged_for(self, reg: Any) -> list[str]:
-        """Unmatched staged P requests naming reg's transfer, best first, that have not
-        written reg's D rank yet."""
-        ranked = [(r, pid) for pid, s in self._in(SendState.STAGED).items()
-                  if reg.decode_tp_rank not in s.written
-                  and (r := _rank(s.blocks, reg)) is not None]
+        """Staged P requests naming reg's transfer, best first, that still take reg's D rank
+        (not written, writing or matched; another D rank's WRITE may be in flight)."""
+        ranked = [(r, pid) for pid, s in self.staged.items()
+                  if s.takes(reg.decode_tp_rank) and (r := _rank(s.blocks, reg)) is not None]
         return [pid for _, pid in sorted(ranked, key=lambda x: x[0])]
 
     def _digest_mismatch(self, p_id: str, d_id: RegKey) -> None:
@@ -392,40 +411,46 @@ class Sender:
                             "prefilled for this transfer")
         if staged.blocks.transfer_id:
             self._tombstone(staged.blocks.transfer_id, p_id)
-            self._release(p_id, failed=True)
+            self._give_up(p_id)
 
     def _match(self, p_id: str, d_id: RegKey) -> None:
-        """STAGED → MATCHED with registration `d_id`; the registration's D size says how many
-        D ranks this P rank's heads go to."""
-        staged = self._move(p_id, SendState.MATCHED)
-        staged.d_id, staged.match_seq = d_id, next(self._seq)
+        """Pair with registration `d_id` (STAGED → MATCHED, or one more while another D rank's
+        WRITE is in flight); the registration's D size says how many D ranks this P rank's
+        heads go to."""
+        staged = self.staged[p_id]
+        if not staged.matched:
+            staged.match_seq = next(self._seq)
+        staged.matched.append(d_id)
         reg = self.regs[d_id].reg
         staged.expected = len(peer_ranks(self.tp_rank, self.tp_size, reg.decode_tp_size))
+        self._sync(p_id)
 
     def _post_ready(self, now: float) -> None:
         for p_id, d_id in self.ready:
-            staged = self.staged[p_id]
+            staged = self.staged.get(p_id)
+            if staged is None or d_id not in staged.matched:
+                continue  # given up or released by an earlier one of this loop
             pending = self.regs.get(d_id)
             if pending is None:  # the registration ended (its ttl): P's blocks wait on
-                self._move(p_id, SendState.STAGED)
+                staged.matched.remove(d_id)
+                self._sync(p_id)
                 continue
             peer = self.peers.get(pending.addr)
             if peer.status == "pending":
                 continue
-            elif not self._owner(pending, peer.agent_name, "WRITE to the address's agent"):
+            del self.regs[d_id]
+            staged.matched.remove(d_id)
+            self._sync(p_id)
+            if not self._owner(pending, peer.agent_name, "WRITE to the address's agent"):
                 # The agent D's address serves is not the one that registered: never write.
-                del self.regs[d_id]
-                self._move(p_id, SendState.STAGED)
-                other = next((r for r in self._regs_for(staged.blocks, staged.written)
+                other = next((r for r in self._regs_for(staged.blocks, staged.busy_ranks())
                               if _digest_ok(staged.blocks, self.regs[r].reg)), None)
                 if other is not None:
                     self._match(p_id, other)
             elif peer.status == "failed":
                 # D is unreachable, so it cannot be told either: its watchdog decides.
-                del self.regs[d_id]
-                self._release(p_id, failed=True)
+                self._give_up(p_id)
             else:
-                del self.regs[d_id]
                 self._post(p_id, pending, peer.agent_name, now)
 
     def _post(self, p_id: str, pending: PendingReg, agent: str, now: float) -> None:
@@ -440,7 +465,7 @@ class Sender:
             return
         logger.warning("not writing %s -> D %s: %s", p_id, pending.reg.request_id, reason)
         self._fail(pending, reason)
-        self._release(p_id, failed=True)
+        self._give_up(p_id)
 
     def _try_post(self, p_id: str, pending: PendingReg, agent: str, now: float
                   ) -> str | None:
@@ -458,17 +483,19 @@ class Sender:
         handle = self.t.write(agent, p_ids, d_ids, notif)
         # a WRITE of our heads into a D of another TP size moves part of each block
         nbytes = getattr(handle, "nbytes", len(d_ids) * self.bytes_per_block)
-        self._move(p_id, SendState.WRITING).write = Inflight(p_id, pending, handle, now, nbytes)
+        staged.writes[reg.decode_tp_rank] = Inflight(p_id, pending, handle, now, nbytes)
+        self._sync(p_id)
         return None
 
     def _check_inflight(self, now: float) -> None:
-        for p_id, w in self.inflight.items():
+        for w in self.inflight:
             state = self.t.check(w.handle)
             if state == "PROC":
                 continue
             self.t.release(w.handle)
             reg = w.reg.reg
-            staged = self.staged[p_id]
+            staged = self.staged[w.p_request_id]
+            del staged.writes[reg.decode_tp_rank]
             if state == "DONE":
                 staged.written.add(reg.decode_tp_rank)
                 self.stats.add("kv_push_writes_total")
@@ -478,27 +505,42 @@ class Sender:
             else:
                 self.stats.add("kv_push_write_failures_total")
                 self._fail(w.reg, "WRITE failed in transfer")
+                staged.failed = True  # no more WRITEs; the blocks go after those in flight
+                staged.matched.clear()
             if w.ack_cancel:
                 self._send(w.reg.addr, wire.encode_push_cancel_ack(reg.request_id,
                                                                    reg.transfer_id),
                            w.reg.agent)
-            if state == "DONE" and len(staged.written) < staged.expected:
-                self._next_rank(p_id)
-            else:
-                self._release(p_id, failed=state != "DONE")
+            self._write_over(w.p_request_id)
 
-    def _next_rank(self, p_id: str) -> None:
-        """WRITING → STAGED after a WRITE to one of several D ranks: pair with the next D
-        rank's registration, now if it is here (the lease still bounds the wait)."""
-        staged = self._move(p_id, SendState.STAGED)
-        staged.write = None
-        if _tomb_key(staged.blocks.transfer_id, p_id) in self.tombstones:  # D cancelled
+    def _write_over(self, p_id: str) -> None:
+        """One of its WRITEs is over. The blocks go once none is in flight: failed if one
+        failed or P gave up, done when every D rank is written; otherwise it waits (STAGED)
+        for the next D rank's registration, pairing now if it is here (the lease still bounds
+        the wait)."""
+        staged = self._sync(p_id)
+        if staged.writes:
+            return
+        if staged.failed or _tomb_key(staged.blocks.transfer_id, p_id) in self.tombstones:
+            self._release(p_id, failed=True)  # a WRITE failed, or D cancelled
+        elif len(staged.written) >= staged.expected:
+            self._release(p_id, failed=False)
+        elif not staged.matched:
+            for key in self._regs_for(staged.blocks, staged.busy_ranks()):
+                if _digest_ok(staged.blocks, self.regs[key].reg):
+                    self._match(p_id, key)
+                    return
+
+    def _give_up(self, p_id: str) -> None:
+        """P will not write this request any more: its blocks go now, or once the WRITEs in
+        flight are over (they read them); `_release` fails the D ranks not written."""
+        staged = self.staged[p_id]
+        if not staged.writes:
             self._release(p_id, failed=True)
             return
-        for key in self._regs_for(staged.blocks, staged.written):
-            if _digest_ok(staged.blocks, self.regs[key].reg):
-                self._match(p_id, key)
-                return
+        staged.failed = True
+        staged.matched.clear()  # still held in `regs`: failed at the release
+        self._sync(p_id)
 
     def _expire(self, now: float) -> None:
         for p_id, staged in list(self.staged.items()):
@@ -549,8 +591,7 @@ class Sender:
 
     def table_sizes(self) -> dict[str, int]:
         return {"p_staged": len(self.staged), "p_regs": len(self.regs),
-                "p_inflight": self._count[SendState.WRITING],
-                "p_ready": self._count[SendState.MATCHED],
+                "p_inflight": len(self.inflight), "p_ready": len(self.ready),
                 "p_outbox": len(self.outbox)}
 
 

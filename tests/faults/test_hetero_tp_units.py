@@ -4,8 +4,9 @@ transport and peers, no processes.
 - D TP=1 from P TP=2: one part per P rank, each its own PUSH_REG to P's kv_port + p; the KV
   has landed only when both P ranks' WRITEs completed; a failure from either fails the
   request once, and its blocks stay until the other P rank can no longer write (its ack).
-- P TP=1 to D TP=2: P takes one registration per D rank for the same request, WRITEs each in
-  turn and frees its blocks after the last; a failed WRITE fails the other D rank too.
+- P TP=1 to D TP=2: P takes one registration per D rank for the same request, WRITEs them
+  all at once (each as soon as it is registered) and frees its blocks after the last WRITE
+  is over; a failed WRITE fails a D rank not written yet.
 """
 
 from __future__ import annotations
@@ -110,41 +111,80 @@ def _sender(t: FakeTransport, peers: AgentPeers) -> Sender:
                   stats=SenderStats(), tp_rank=0)
 
 
-def test_p_writes_each_d_rank_in_turn_and_frees_after_the_last():
-    t, peers = FakeTransport(("D0-tp0", "D0-tp1")), AgentPeers("D0", D_PORT)
+class PerWrite(FakeTransport):
+    """Each WRITE's handle is its index; its state is `states[index]` ("PROC" until set)."""
+
+    def __init__(self, loaded: tuple[str, ...] = ()) -> None:
+        super().__init__(loaded)
+        self.states: dict[int, str] = {}
+
+    def write(self, agent: str, p_ids: list[int], d_ids: list[int], notif: bytes) -> object:
+        super().write(agent, p_ids, d_ids, notif)
+        return len(self.writes) - 1
+
+    def check(self, handle: object) -> str:
+        return self.states.get(handle, "PROC")
+
+
+def test_p_writes_every_registered_d_rank_at_once_and_frees_after_the_last():
+    """P TP=1 -> D TP=2: both D ranks' WRITEs are in flight together (neither waits for the
+    other), and P's blocks go only once the last of them is over."""
+    t, peers = PerWrite(("D0-tp0", "D0-tp1")), AgentPeers("D0", D_PORT)
     s = _sender(t, peers)
     s.on_registration(_reg(1), agent="D0-tp1")
     s.on_finished_blocks(FinishedBlocks("p-0", "t-0", [1, 2], 20, DIGEST))
     s.on_registration(_reg(0), agent="D0-tp0")
     assert peers.asked == {(HOST, D_PORT + 1): 1, (HOST, D_PORT): 0}
-    s.poll()  # first WRITE posted and DONE; the next D rank's registration is matched
-    assert not s.done and len(s.staged) == 1 and len(t.writes) == 1
     s.poll()
-    assert [w[0] for w in t.writes] == ["D0-tp1", "D0-tp0"]
+    assert sorted(w[0] for w in t.writes) == ["D0-tp0", "D0-tp1"]
+    assert len(s.inflight) == 2 and s.table_sizes()["p_inflight"] == 2 and not s.regs
+    t.states[1] = "DONE"
+    s.poll()  # one WRITE over, the other still reads P's blocks: they stay
+    assert not s.done and len(s.inflight) == 1
+    t.states[0] = "DONE"
+    s.poll()
     assert s.done == {"p-0"} and not s.staged and not s.regs
     assert s.stats.counters["kv_push_writes_total"] == 2
 
 
-class FailFirstWrite(FakeTransport):
-    def check(self, handle: object) -> str:
-        return "ERR" if len(self.writes) == 1 else "DONE"
+def test_p_writes_a_late_d_rank_when_its_registration_comes():
+    t, peers = FakeTransport(("D0-tp0", "D0-tp1")), AgentPeers("D0", D_PORT)
+    s = _sender(t, peers)
+    s.on_registration(_reg(0), agent="D0-tp0")
+    s.on_finished_blocks(FinishedBlocks("p-0", "t-0", [1, 2], 20, DIGEST))
+    s.poll()  # rank 0 written; waiting for rank 1's registration (the lease bounds it)
+    assert not s.done and len(s.staged) == 1 and len(t.writes) == 1
+    s.on_registration(_reg(1), agent="D0-tp1")
+    s.poll()
+    assert [w[0] for w in t.writes] == ["D0-tp0", "D0-tp1"]
+    assert s.done == {"p-0"} and not s.staged and not s.regs
 
 
 def test_p_fails_the_other_d_rank_when_a_write_fails():
-    t, peers = FailFirstWrite(("D0-tp0", "D0-tp1")), AgentPeers("D0", D_PORT)
+    t, peers = PerWrite(("D0-tp0", "D0-tp1")), AgentPeers("D0", D_PORT)
     s = _sender(t, peers)
     s.on_registration(_reg(0), agent="D0-tp0")
     s.on_registration(_reg(1), agent="D0-tp1")
     s.on_finished_blocks(FinishedBlocks("p-0", "t-0", [1, 2], 20, DIGEST))
     s.poll()
-    s.poll()
-    s.poll()
-    assert len(t.writes) == 1 and s.done == {"p-0"} and not s.regs
+    t.states[0] = "ERR"
+    s.poll()  # rank 0's WRITE failed; rank 1's still reads P's blocks: they stay
     fails = [(a, wire.decode_notif(m)) for a, m in t.sent if m.startswith(b"PUSH_FAIL:")]
-    assert sorted(a for a, _ in fails) == ["D0-tp0", "D0-tp1"]
-    # a late registration of the same transfer is refused at once (tombstone)
-    s.on_registration(_reg(1), agent="D0-tp1")
-    assert not s.regs and sum(m.startswith(b"PUSH_FAIL:") for _, m in t.sent) == 3
+    assert [a for a, _ in fails] == ["D0-tp0"] and not s.done
+    t.states[1] = "DONE"
+    s.poll()
+    assert len(t.writes) == 2 and s.done == {"p-0"} and not s.regs and not s.staged
+    # a failed WRITE before a D rank registered: that rank's late registration is refused
+    t2 = FakeTransport(("D0-tp0", "D0-tp1"))
+    t2.check = lambda handle: "ERR"  # type: ignore[method-assign]
+    s2 = _sender(t2, peers)
+    s2.on_registration(_reg(0), agent="D0-tp0")
+    s2.on_finished_blocks(FinishedBlocks("p-0", "t-0", [1, 2], 20, DIGEST))
+    s2.poll()
+    assert s2.done == {"p-0"}
+    s2.on_registration(_reg(1), agent="D0-tp1")  # tombstone
+    assert not s2.regs and [a for a, m in t2.sent if m.startswith(b"PUSH_FAIL:")] == [
+        "D0-tp0", "D0-tp1"]
 
 
 def test_p_refuses_a_registration_from_a_d_rank_holding_none_of_its_heads():
@@ -166,9 +206,9 @@ def test_p_cancels_one_d_ranks_registration_while_writing_another():
     t, peers = SlowWrite(("D0-tp0", "D0-tp1")), AgentPeers("D0", D_PORT)
     s = _sender(t, peers)
     s.on_registration(_reg(0), agent="D0-tp0")
-    s.on_registration(_reg(1), agent="D0-tp1")
     s.on_finished_blocks(FinishedBlocks("p-0", "t-0", [1, 2], 20, DIGEST))
     s.poll()  # the WRITE to D rank 0 is in flight
+    s.on_registration(_reg(1), agent="D0-tp1")  # matched; cancelled before it is posted
     assert [w[0] for w in t.writes] == ["D0-tp0"] and list(s.regs) == [("d-0", 1)]
     s.on_cancel("d-0", "t-0", agent="D0-tp1")
     assert not s.regs and s.refused == 0
