@@ -1,4 +1,5 @@
-"""Paged attention: the compiled decode kernel and the torch path against a dense reference.
+"""Paged attention: the compiled decode and prefill kernels and the torch path against a dense
+reference.
 
 The reference gathers each sequence's K/V from its (shuffled, non-contiguous) blocks by hand and
 runs plain softmax attention in float64, so both paths are checked against the definition, not
@@ -77,10 +78,17 @@ def test_torch_path_matches_dense_reference(dtype):
     _check(None, dtype)
 
 
-def _check(kernel, dtype):
+@DTYPES
+def test_long_prefills_match_dense_reference_on_every_isa_path(kernel_isa, dtype):
+    """The prefill kernel over several 64-key tiles and query blocks: a fresh prefill, a later
+    chunk (its queries start at position 130), beside a decode."""
+    _check(kernel_isa, dtype, [(150, 150), (70, 200), (1, 90)], seeds=1)
+
+
+def _check(kernel, dtype, lens=LENS, seeds=3):
     use_kernel = kernel is not None
-    for seed in range(3):
-        cache, q, k, v, spans = _case(seed, LENS, dtype)
+    for seed in range(seeds):
+        cache, q, k, v, spans = _case(seed, lens, dtype)
         layer = seed % LAYERS
         meta = AttentionMetadata(spans, BS, LAYERS, torch.device("cpu"), kernel=use_kernel)
         assert (meta.decode_table is not None) == use_kernel

@@ -1,7 +1,8 @@
 """Compiled CPU kernels, built once per machine with torch's C++ extension builder.
 
 One extension module holds them all (bindings in ops.cpp): `paged_decode` (paged decode
-attention, paged_attention.cpp) and `skinny_linear` (float32 / bf16 matmuls with few rows,
+attention, paged_attention.cpp), `prefill_attention` (causal prefill attention,
+prefill_attention.cpp) and `skinny_linear` (float32 / bf16 matmuls with few rows,
 skinny_linear.cpp). `paged_attention()` and `linear_kernel()` return the module or None, in
 which case the caller uses its pure-torch path. The build is keyed by the sources, the compiler
 flags, the torch version and the CPU (the code is built with -march=native) and cached as one
@@ -33,7 +34,8 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(n)
-            for n in ("ops.cpp", "paged_attention.cpp", "skinny_linear.cpp", "roofline.cpp")]
+            for n in ("ops.cpp", "paged_attention.cpp", "prefill_attention.cpp",
+                      "skinny_linear.cpp", "roofline.cpp")]
 _HEADERS = [Path(__file__).with_name(n) for n in ("isa.h", "simd.h")]
 # -fopenmp: at::parallel_for is inlined into the kernel and parallel only with OpenMP on; the
 # extension then shares torch's own libgomp.so.1 (the loader finds it already loaded).

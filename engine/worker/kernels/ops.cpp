@@ -10,6 +10,8 @@
 
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor chunks, torch::Tensor table,
                   torch::Tensor rows, torch::Tensor ctx_lens, int64_t layer, double scale);
+void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                       double scale);
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w);
 int64_t fma_lanes();
 std::string fma_isa();
@@ -48,6 +50,8 @@ Isa current_isa() { return static_cast<Isa>(g_isa.load(std::memory_order_relaxed
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("prefill_attention", &prefill_attention, "causal prefill attention, flash style (CPU)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("skinny_linear", &skinny_linear, "x @ w^T for a few rows of x (CPU, float32 or bf16)");
   m.def("isa_paths", &isa_paths, "instruction-set paths this build has, best first");
   m.def("get_isa", &get_isa, "the path the kernels run now");

@@ -27,26 +27,6 @@ namespace {
 
 using namespace simd;
 
-// exp(x) for x <= 0 (softmax after subtracting the max), vectorizable: x = k ln2 + r with
-// |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7 there), 2^k put
-// into the exponent bits. Below -87 the result is 0 (e^-87 is under float's normal range).
-inline float exp_nonpos(float x) {
-  x = std::max(x, -87.f);
-  const float k = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - k * 0.693145751953125f - k * 1.428606765330187e-06f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 // <q, k> over dim values, vector-wide on path P (simd.h), the remainder one by one.
 template <typename P, typename T>
 inline float dot(const float* q, const T* k, int64_t dim) {

@@ -1,0 +1,265 @@
+// Causal prefill attention on the CPU, flash style: T query tokens at positions start ..
+// start + T - 1 attend over keys 0 .. start + T - 1 (a fresh prefill has start = 0; a later
+// chunk or a prefix-cache hit passes the whole context's K/V).
+//
+// Work items are (kv head, query block) pairs, split over threads by at::parallel_for. A query
+// block is kBlockQ(group) positions x the `group` query heads sharing the kv head (GQA), packed
+// as one matrix of rows (position, head) and pre-scaled, so every K/V tile is loaded once for
+// all of them. Keys go by tiles of kBlockK: S = Q K^T into a tile (register-blocked: R rows x
+// C vectors of keys per inner loop, K transposed once per kv head so keys lie along the
+// vectors), then an online softmax per row (running max m and sum l; the output rows already
+// summed are rescaled by e^(m_old - m_new)), then O += P V (R rows x C vectors of head_dim).
+// Tiles entirely above the diagonal are never computed; in the diagonal tiles each row stops
+// at its own position. Everything accumulates in float32 whatever the input dtype; the
+// products run on the instruction-set path current_isa() names (isa.h, simd.h).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+
+using namespace simd;
+
+constexpr int64_t kBlockK = 64;  // keys per tile (a multiple of every path's C * kStep)
+
+// Query positions per block: about 64 packed rows whatever the group size.
+int64_t block_q(int64_t group) { return std::max<int64_t>(8, 64 / group); }
+
+// Register blocking per path: R rows x C vectors of accumulators (AVX-512 has 32 registers,
+// AVX2 16).
+template <typename P>
+struct Blocking {
+  static constexpr int R = 4, C = 4;
+};
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+template <>
+struct Blocking<Avx512> {
+  static constexpr int R = 6, C = 4;
+};
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+template <>
+struct Blocking<Avx2> {
+  static constexpr int R = 4, C = 2;
+};
+#endif
+
+// s[r, c*kStep ..] = sum_d q[r, d] * kt[d, c*kStep ..] for R rows and C vectors of keys.
+template <typename P, int R, int C>
+inline void qk_tile(const float* q, int64_t dim, const float* kt, int64_t ldk, float* s,
+                    int64_t lds) {
+  typename P::V acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = P::zero();
+  for (int64_t d = 0; d < dim; ++d) {
+    typename P::V k[C];
+    for (int c = 0; c < C; ++c) k[c] = P::loadf(kt + d * ldk + c * P::kStep);
+    for (int r = 0; r < R; ++r) {
+      const auto qv = P::set1(q[r * dim + d]);
+      for (int c = 0; c < C; ++c) acc[r][c] = P::template madd<float>(acc[r][c], qv, k[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) P::storef(s + r * lds + c * P::kStep, acc[r][c]);
+}
+
+// o[r, c*kStep ..] = alpha[r] * o[r, ..] + sum_j p[r, j] * v[j, c*kStep ..] over n keys.
+template <typename P, int R, int C>
+inline void pv_tile(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t n,
+                    const float* alpha, float* o, int64_t ldo) {
+  typename P::V acc[R][C];
+  for (int r = 0; r < R; ++r) {
+    const auto a = P::set1(alpha[r]);
+    for (int c = 0; c < C; ++c)
+      acc[r][c] = P::template madd<float>(P::zero(), a, P::loadf(o + r * ldo + c * P::kStep));
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    typename P::V x[C];
+    for (int c = 0; c < C; ++c) x[c] = P::loadf(v + j * ldv + c * P::kStep);
+    for (int r = 0; r < R; ++r) {
+      const auto pv = P::set1(p[r * ldp + j]);
+      for (int c = 0; c < C; ++c) acc[r][c] = P::template madd<float>(acc[r][c], pv, x[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) P::storef(o + r * ldo + c * P::kStep, acc[r][c]);
+}
+
+// Calls f(std::integral_constant<int, n>{}) for n in 1 .. N (the rows left after whole
+// groups of R), nothing for n = 0.
+template <int N, typename F>
+inline void with_rows(int64_t n, F&& f) {
+  if constexpr (N > 0) {
+    if (n == N) return f(std::integral_constant<int, N>{});
+    with_rows<N - 1>(n, f);
+  }
+}
+
+// One query block of one kv head. q rows are packed [rows, dim] (pre-scaled); kt holds the kv
+// head's K by tiles, each [dim, kBlockK] (zero-padded); v its V as [keys, dim]; both float32.
+template <typename P>
+void query_block(const float* q, int64_t rows, int64_t group, int64_t first_pos, int64_t dim,
+                 const float* kt, const float* v, float* s, float* o, float* m, float* l,
+                 float* alpha) {
+  constexpr int R = Blocking<P>::R, C = Blocking<P>::C;
+  constexpr int64_t kw = C * P::kStep;  // keys (QK) or head_dim values (PV) per tile column
+  std::fill(o, o + rows * dim, 0.f);
+  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + rows, 0.f);
+  const int64_t keys = first_pos + (rows - 1) / group + 1;  // the last row's position + 1
+  for (int64_t k0 = 0; k0 < keys; k0 += kBlockK) {
+    const int64_t nk = std::min(kBlockK, keys - k0);
+    const float* ktile = kt + k0 * dim;  // tile k0 / kBlockK, each dim * kBlockK values
+    // Rows r .. r + n - 1 need keys up to the last one's position: later columns are skipped.
+    auto seen = [&](int64_t r, int64_t n) {
+      return std::min(nk, first_pos + (r + n - 1) / group - k0 + 1);
+    };
+    auto qk = [&](auto n, int64_t r) {
+      const int64_t cols = seen(r, decltype(n)::value);
+      for (int64_t c = 0; c < cols; c += kw)
+        qk_tile<P, decltype(n)::value, C>(q + r * dim, dim, ktile + c, kBlockK,
+                                          s + r * kBlockK + c, kBlockK);
+    };
+    int64_t r = 0;
+    for (; r + R <= rows; r += R) qk(std::integral_constant<int, R>{}, r);
+    with_rows<R - 1>(rows - r, [&](auto n) { qk(n, r); });
+    // Online softmax: row r (position first_pos + r / group) sees keys up to its position.
+    for (r = 0; r < rows; ++r) {
+      float* sr = s + r * kBlockK;
+      const int64_t valid = std::min(nk, first_pos + r / group - k0 + 1);
+      if (valid <= 0) {
+        alpha[r] = 1.f;
+        std::fill(sr, sr + kBlockK, 0.f);
+        continue;
+      }
+      float mx = m[r];
+#pragma omp simd reduction(max : mx)
+      for (int64_t j = 0; j < valid; ++j) mx = std::max(mx, sr[j]);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < valid; ++j) {
+        sr[j] = exp_nonpos(sr[j] - mx);
+        sum += sr[j];
+      }
+      std::fill(sr + valid, sr + kBlockK, 0.f);
+      alpha[r] = exp_nonpos(m[r] - mx);  // 0 on the first tile (m = -inf)
+      l[r] = l[r] * alpha[r] + sum;
+      m[r] = mx;
+    }
+    const float* vt = v + k0 * dim;
+    for (int64_t d = 0; d < dim; d += kw) {
+      auto pv = [&](auto n, int64_t r) {
+        constexpr int N = decltype(n)::value;
+        const int64_t n_keys = std::max<int64_t>(0, seen(r, N));
+        if (d + kw <= dim)
+          pv_tile<P, N, C>(s + r * kBlockK, kBlockK, vt + d, dim, n_keys, alpha + r,
+                           o + r * dim + d, dim);
+        else  // head_dim not a multiple of kw: the rest vector by vector
+          for (int64_t e = d; e < dim; e += P::kStep)
+            pv_tile<P, N, 1>(s + r * kBlockK, kBlockK, vt + e, dim, n_keys, alpha + r,
+                             o + r * dim + e, dim);
+      };
+      for (r = 0; r + R <= rows; r += R) pv(std::integral_constant<int, R>{}, r);
+      with_rows<R - 1>(rows - r, [&](auto n) { pv(n, r); });
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.f / l[r];
+    for (int64_t d = 0; d < dim; ++d) o[r * dim + d] *= inv;
+  }
+}
+
+template <typename P, typename T>
+void prefill(float* out, const T* q, const T* k, const T* v, int64_t tokens, int64_t keys,
+             int64_t heads, int64_t kv_heads, int64_t dim, float scale) {
+  const int64_t group = heads / kv_heads, start = keys - tokens;
+  const int64_t bq = block_q(group), blocks = (tokens + bq - 1) / bq;
+  const int64_t padded = (keys + kBlockK - 1) / kBlockK * kBlockK;
+  // Per kv head, in float32: K by tiles [dim, kBlockK] (keys along the vectors, each tile's
+  // rows 256 bytes apart, not a whole context's), V as [keys, dim] (rows adjacent).
+  std::vector<float> kt(kv_heads * padded * dim, 0.f), vp(kv_heads * keys * dim);
+  at::parallel_for(0, kv_heads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t kh = b; kh < e; ++kh)
+      for (int64_t j = 0; j < keys; ++j) {
+        const T* kr = k + (j * kv_heads + kh) * dim;
+        const T* vr = v + (j * kv_heads + kh) * dim;
+        float* kd = kt.data() + kh * padded * dim + (j / kBlockK) * dim * kBlockK + j % kBlockK;
+        float* vd = vp.data() + (kh * keys + j) * dim;
+        for (int64_t d = 0; d < dim; ++d) {
+          kd[d * kBlockK] = static_cast<float>(kr[d]);
+          vd[d] = static_cast<float>(vr[d]);
+        }
+      }
+  });
+  // Items (kv head, block): kv head fastest, blocks paired long with short (0, last, 1, ...),
+  // so the contiguous ranges parallel_for hands each thread hold about equal work.
+  at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t b, int64_t e) {
+    const int64_t rows_max = bq * group;
+    std::vector<float> qp(rows_max * dim), s(rows_max * kBlockK), o(rows_max * dim),
+        m(rows_max), l(rows_max), alpha(rows_max);
+    for (int64_t item = b; item < e; ++item) {
+      const int64_t kh = item % kv_heads, i = item / kv_heads;
+      const int64_t blk = i % 2 == 0 ? i / 2 : blocks - 1 - i / 2;
+      const int64_t t0 = blk * bq, nt = std::min(bq, tokens - t0), rows = nt * group;
+      for (int64_t t = 0; t < nt; ++t)
+        for (int64_t g = 0; g < group; ++g) {
+          const T* src = q + ((t0 + t) * heads + kh * group + g) * dim;
+          float* dst = qp.data() + (t * group + g) * dim;
+          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]) * scale;
+        }
+      query_block<P>(qp.data(), rows, group, start + t0, dim, kt.data() + kh * padded * dim,
+                     vp.data() + kh * keys * dim, s.data(), o.data(), m.data(), l.data(),
+                     alpha.data());
+      for (int64_t t = 0; t < nt; ++t)
+        std::copy(o.data() + t * group * dim, o.data() + (t + 1) * group * dim,
+                  out + ((t0 + t) * heads + kh * group) * dim);
+    }
+  });
+}
+
+// prefill on the best path current_isa() allows (any input dtype: the kernel computes on
+// float32 copies), a vector one when head_dim is a multiple of its width.
+template <typename T, typename... A>
+void prefill_on_path(int64_t dim, A... args) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (current_isa() >= Isa::kAvx512 && dim % Avx512::kStep == 0)
+    return prefill<Avx512, T>(args...);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (current_isa() >= Isa::kAvx2 && dim % Avx2::kStep == 0) return prefill<Avx2, T>(args...);
+#endif
+  prefill<Scalar, T>(args...);
+}
+
+}  // namespace
+
+// out: float32 [T, H, D]; q: [T, H, D]; k, v: [S, KV, D] with S >= T, all contiguous, q, k, v
+// of one dtype. Query i sits at position S - T + i and sees keys 0 .. S - T + i.
+void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                       double scale) {
+  TORCH_CHECK(out.scalar_type() == torch::kFloat, "prefill_attention: out must be float32");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "prefill_attention: q, k and v must share a dtype");
+  TORCH_CHECK(out.is_contiguous() && q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
+              "prefill_attention: tensors must be contiguous");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && out.sizes() == q.sizes(),
+              "prefill_attention: bad shapes");
+  const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t keys = k.size(0), kv_heads = k.size(1);
+  TORCH_CHECK(k.size(2) == dim && heads % kv_heads == 0 && keys >= tokens,
+              "prefill_attention: head shapes differ or fewer keys than queries");
+  const float s = static_cast<float>(scale);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention",
+                                  [&] {
+    prefill_on_path<scalar_t>(dim, out.data_ptr<float>(), q.data_ptr<scalar_t>(),
+                              k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), tokens, keys, heads,
+                              kv_heads, dim, s);
+  });
+}
