@@ -50,7 +50,8 @@ class AttentionMetadata:
     ((block * L + layer) * 2 + kv) * bs + offset; reads copy whole chunks of `bs` rows
     (chunk (block * L + layer) * 2 + kv), which is about twice as fast as gathering rows.
     Indices are computed once per step for layer 0 and shifted per layer, so each layer does
-    one index_copy_ to write and one index_select per K and V to read.
+    one write (the kernels' write_kv, else an index_copy_) and one index_select per K and V to
+    read.
     """
 
     def __init__(self, spans: list[SeqSpan], block_size: int, num_layers: int,
@@ -156,11 +157,7 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                  ) -> torch.Tensor:
         m = self.meta
-        write = m.write_rows + layer * m.layer_stride
-        t = k.shape[0]
-        self.rows.index_copy_(0, torch.cat((write, write + m.block_size)),
-                              torch.cat((k.reshape(t, -1), v.reshape(t, -1))).to(
-                                  self.rows.dtype))
+        self._write(layer, k, v)
         # The kernels write float32 rows; the torch paths rows of q's dtype.
         out = torch.empty(q.shape, dtype=torch.float32 if self.kernel is not None else q.dtype,
                           device=q.device)
@@ -173,6 +170,18 @@ class PagedAttention:
         for g in m.decode_groups:
             out[g.rows] = self._decode(layer, g, q[g.rows]).to(out.dtype)
         return out.to(q.dtype)
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This step's K and V into their cache slots (one kernel call, or two cats and an
+        index_copy_)."""
+        m, t, dtype = self.meta, k.shape[0], self.rows.dtype
+        k, v = k.reshape(t, -1).to(dtype), v.reshape(t, -1).to(dtype)
+        if self.kernel is not None:
+            self.kernel.write_kv(self.rows, m.write_rows, layer * m.layer_stride, m.block_size,
+                                 k.contiguous(), v.contiguous())
+            return
+        write = m.write_rows + layer * m.layer_stride
+        self.rows.index_copy_(0, torch.cat((write, write + m.block_size)), torch.cat((k, v)))
 
     def _read(self, chunks: torch.Tensor, layer: int, dtype: torch.dtype
               ) -> tuple[torch.Tensor, torch.Tensor]:

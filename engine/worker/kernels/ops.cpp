@@ -10,6 +10,8 @@
 
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor chunks, torch::Tensor table,
                   torch::Tensor rows, torch::Tensor ctx_lens, int64_t layer, double scale);
+void write_kv(torch::Tensor rows, torch::Tensor slots, int64_t offset, int64_t bs,
+              torch::Tensor k, torch::Tensor v);
 void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
                        double scale);
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w);
@@ -50,6 +52,7 @@ Isa current_isa() { return static_cast<Isa>(g_isa.load(std::memory_order_relaxed
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("write_kv", &write_kv, "write one step's K and V at their paged-cache slots (CPU)");
   m.def("prefill_attention", &prefill_attention, "causal prefill attention, flash style (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("skinny_linear", &skinny_linear, "x @ w^T for a few rows of x (CPU, float32 or bf16)");

@@ -7,7 +7,8 @@
 // block; layer l's K chunk is table[b, j] + 2 * l and its V chunk the one after.
 //
 // Work is split over (sequence, kv head) pairs with at::parallel_for; each pair handles the
-// `group` query heads that share the kv head, so every K/V row is loaded once for all of them.
+// `group` query heads that share the kv head, so every K/V row comes from memory once for all
+// of them (the group's later heads find it in cache).
 // Scores, softmax and the weighted sum run in float32 whatever the cache dtype. The dot products
 // and weighted sums run on the instruction-set path current_isa() names (isa.h, simd.h;
 // float16 caches on the scalar one).
@@ -39,93 +40,123 @@ inline float dot(const float* q, const T* k, int64_t dim) {
   return s;
 }
 
-// a += p * v over dim values.
+// <q, k_i> for the kStep rows k_i = k + i * ld, as one vector (lane i); dim % kStep == 0.
+// The kStep accumulators are summed together at the end (P::hsums), not one by one.
 template <typename P, typename T>
-inline void axpy(float p, const T* v, float* a, int64_t dim) {
-  const auto pv = P::set1(p);
-  int64_t d = 0;
-  for (; d + P::kStep <= dim; d += P::kStep)
-    P::storef(a + d, P::template madd<T>(P::loadf(a + d), pv, P::load(v + d)));
-  for (; d < dim; ++d) a[d] += p * static_cast<float>(v[d]);
+inline typename P::V dots(const float* q, const T* k, int64_t ld, int64_t dim) {
+  typename P::V acc[P::kStep];
+  for (int i = 0; i < P::kStep; ++i) acc[i] = P::zero();
+  for (int64_t d = 0; d < dim; d += P::kStep) {
+    const auto qv = P::load(q + d);
+    for (int i = 0; i < P::kStep; ++i)
+      acc[i] = P::template madd<T>(acc[i], qv, P::load(k + i * ld + d));
+  }
+  return P::hsums(acc);
 }
 
-// Sequences [begin, end): each reads its blocks' K (then V) chunks front to back, every row
-// whole (all kv heads), so the memory is streamed; `heads` query heads, `group` per kv head.
+// o[0 .. C*kStep) = sum_t p[t] * v_t[off ..] over the context's n positions (V chunk of block j:
+// blocks[j] + vchunk), the C accumulators held in registers throughout.
+template <typename P, int C, typename T>
+inline void weighted_sum(const float* p, const T* chunks, const int64_t* blocks, int64_t vchunk,
+                         int64_t n, int64_t bs, int64_t row_elems, int64_t off, float* o) {
+  typename P::V acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = P::zero();
+  for (int64_t t0 = 0; t0 < n; t0 += bs) {
+    const T* vc = chunks + (blocks[t0 / bs] + vchunk) * bs * row_elems + off;
+    const int64_t len = std::min(bs, n - t0);
+    for (int64_t i = 0; i < len; ++i) {
+      const auto pv = P::set1(p[t0 + i]);
+      for (int c = 0; c < C; ++c)
+        acc[c] = P::template madd<T>(acc[c], pv, P::load(vc + i * row_elems + c * P::kStep));
+    }
+  }
+  for (int c = 0; c < C; ++c) P::storef(o + c * P::kStep, acc[c]);
+}
+
+// One (sequence b, kv head kh) pair: the `group` query heads sharing kv head kh attend over the
+// sequence's n positions. K (then V) is read block by block in place; scores go kStep
+// positions at a time (dots), the weighted sum C vectors of head_dim at a time.
 template <typename P, typename T>
-void decode_seqs(float* out, const float* q, const T* chunks, const int64_t* table,
-                 const int64_t* rows, const int64_t* ctx_lens, int64_t begin, int64_t end,
-                 int64_t max_blocks, int64_t layer, int64_t bs, int64_t kv_heads,
-                 int64_t group, int64_t dim, float scale) {
-  const int64_t heads = kv_heads * group;
+void decode_pair(float* out, const float* q, const T* chunks, const int64_t* blocks, int64_t n,
+                 int64_t layer, int64_t bs, int64_t kv_heads, int64_t kh, int64_t group,
+                 int64_t dim, float scale, float* scores) {
+  constexpr int C = 4;
   const int64_t row_elems = kv_heads * dim;  // one position's K (or V) in a chunk
-  const int64_t chunk_elems = bs * row_elems;
-  std::vector<float> scores;  // [heads, n]
-  std::vector<float> acc(heads * dim);
-  std::vector<float> denom(heads);
-  for (int64_t b = begin; b < end; ++b) {
-    const int64_t n = ctx_lens[b];
-    const int64_t* blocks = table + b * max_blocks;
-    const float* qb = q + rows[b] * heads * dim;
-    scores.resize(heads * n);
-    // Scores: s[h, t] = scale * <q_h, k_t of h's kv head>.
-    for (int64_t t0 = 0; t0 < n; t0 += bs) {
-      const T* kc = chunks + (blocks[t0 / bs] + 2 * layer) * chunk_elems;
-      const int64_t len = std::min(bs, n - t0);
-      for (int64_t i = 0; i < len; ++i) {
-        const T* k = kc + i * row_elems;
-        for (int64_t kh = 0, h = 0; kh < kv_heads; ++kh)
-          for (int64_t g = 0; g < group; ++g, ++h)
-            scores[h * n + t0 + i] = dot<P>(qb + h * dim, k + kh * dim, dim) * scale;
-      }
+  const bool wide = dim % P::kStep == 0;
+  const auto sv = P::set1(scale);
+  // Scores: s[g, t] = scale * <q_g, k_t>.
+  for (int64_t t0 = 0; t0 < n; t0 += bs) {
+    const T* kc = chunks + (blocks[t0 / bs] + 2 * layer) * bs * row_elems + kh * dim;
+    const int64_t len = std::min(bs, n - t0);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + (kh * group + g) * dim;
+      float* sg = scores + g * n + t0;
+      int64_t i = 0;
+      if (wide)
+        for (; i + P::kStep <= len; i += P::kStep)
+          P::storef(sg + i, P::template madd<float>(P::zero(), sv,
+                                                    dots<P>(qg, kc + i * row_elems, row_elems,
+                                                            dim)));
+      for (; i < len; ++i) sg[i] = dot<P>(qg, kc + i * row_elems, dim) * scale;
     }
-    // Softmax per query head.
-    for (int64_t h = 0; h < heads; ++h) {
-      float* s = scores.data() + h * n;
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-#pragma omp simd
-      for (int64_t t = 0; t < n; ++t) s[t] = exp_nonpos(s[t] - m);
-      float sum = 0.f;
-      for (int64_t t = 0; t < n; ++t) sum += s[t];
-      denom[h] = sum;
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    // Softmax, then the weighted sum of V rows divided by the softmax's denominator.
+    float* s = scores + g * n;
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = exp_nonpos(s[t] - m);
+      sum += s[t];
     }
-    // Weighted sum of V rows.
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t t0 = 0; t0 < n; t0 += bs) {
-      const T* vc = chunks + (blocks[t0 / bs] + 2 * layer + 1) * chunk_elems;
-      const int64_t len = std::min(bs, n - t0);
-      for (int64_t i = 0; i < len; ++i) {
-        const T* v = vc + i * row_elems;
-        for (int64_t kh = 0, h = 0; kh < kv_heads; ++kh) {
-          const T* vh = v + kh * dim;
-          for (int64_t g = 0; g < group; ++g, ++h) {
-            axpy<P>(scores[h * n + t0 + i], vh, acc.data() + h * dim, dim);
-          }
-        }
-      }
-    }
-    float* o = out + rows[b] * heads * dim;
-    for (int64_t h = 0; h < heads; ++h) {
-      const float inv = 1.f / denom[h];
-      for (int64_t d = 0; d < dim; ++d) o[h * dim + d] = acc[h * dim + d] * inv;
-    }
+    float* o = out + (kh * group + g) * dim;
+    const int64_t vchunk = 2 * layer + 1;
+    int64_t d = 0;
+    for (; d + C * P::kStep <= dim; d += C * P::kStep)
+      weighted_sum<P, C>(s, chunks, blocks, vchunk, n, bs, row_elems, kh * dim + d, o + d);
+    for (; d + P::kStep <= dim; d += P::kStep)
+      weighted_sum<P, 1>(s, chunks, blocks, vchunk, n, bs, row_elems, kh * dim + d, o + d);
+    for (; d < dim; ++d)
+      weighted_sum<Scalar, 1>(s, chunks, blocks, vchunk, n, bs, row_elems, kh * dim + d, o + d);
+    const float inv = 1.f / sum;
+    for (int64_t e = 0; e < dim; ++e) o[e] *= inv;
   }
 }
 
-// decode_seqs on the best path current_isa() allows for T (float32 and bf16 caches have vector
+// Pairs [begin, end) of (sequence, kv head), kv head fastest.
+template <typename P, typename T>
+void decode_pairs(float* out, const float* q, const T* chunks, const int64_t* table,
+                  const int64_t* rows, const int64_t* ctx_lens, int64_t begin, int64_t end,
+                  int64_t max_blocks, int64_t layer, int64_t bs, int64_t kv_heads,
+                  int64_t group, int64_t dim, float scale) {
+  const int64_t heads = kv_heads * group;
+  std::vector<float> scores;  // [group, n]
+  for (int64_t pair = begin; pair < end; ++pair) {
+    const int64_t b = pair / kv_heads, kh = pair % kv_heads, n = ctx_lens[b];
+    scores.resize(group * n);
+    decode_pair<P, T>(out + rows[b] * heads * dim, q + rows[b] * heads * dim, chunks,
+                      table + b * max_blocks, n, layer, bs, kv_heads, kh, group, dim, scale,
+                      scores.data());
+  }
+}
+
+// decode_pairs on the best path current_isa() allows for T (float32 and bf16 caches have vector
 // paths; other dtypes the scalar one).
 template <typename T, typename... A>
 void decode_on_path(A... args) {
   constexpr bool wide = std::is_same_v<T, float> || std::is_same_v<T, bf16>;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if constexpr (wide)
-    if (current_isa() >= Isa::kAvx512) return decode_seqs<Avx512, T>(args...);
+    if (current_isa() >= Isa::kAvx512) return decode_pairs<Avx512, T>(args...);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (wide)
-    if (current_isa() >= Isa::kAvx2) return decode_seqs<Avx2, T>(args...);
+    if (current_isa() >= Isa::kAvx2) return decode_pairs<Avx2, T>(args...);
 #endif
-  decode_seqs<Scalar, T>(args...);
+  decode_pairs<Scalar, T>(args...);
 }
 
 }  // namespace
@@ -158,9 +189,35 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor chunks, torc
     const int64_t* tb = table.data_ptr<int64_t>();
     const int64_t* rw = rows.data_ptr<int64_t>();
     const int64_t* cl = ctx_lens.data_ptr<int64_t>();
-    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
       decode_on_path<scalar_t>(o, qp, c, tb, rw, cl, begin, end, max_blocks, layer, bs,
                                kv_heads, group, dim, s);
     });
   });
+}
+
+// Writes one step's K and V at their cache slots: rows[slots[i] + offset] = k[i] and
+// rows[slots[i] + offset + bs] = v[i] (the V chunk follows the K chunk by bs rows). rows: the
+// cache as [N, KV * D]; k, v: [T, KV * D] of the cache's dtype; slots: int64 [T]. One call per
+// layer instead of four torch ops (two cats, an add, an index_copy_).
+void write_kv(torch::Tensor rows, torch::Tensor slots, int64_t offset, int64_t bs,
+              torch::Tensor k, torch::Tensor v) {
+  TORCH_CHECK(rows.scalar_type() == k.scalar_type() && rows.scalar_type() == v.scalar_type(),
+              "write_kv: k and v must have the cache's dtype");
+  TORCH_CHECK(rows.is_contiguous() && k.is_contiguous() && v.is_contiguous() &&
+                  slots.is_contiguous() && slots.scalar_type() == torch::kLong,
+              "write_kv: contiguous tensors and int64 slots");
+  const int64_t t = slots.size(0), width = rows.size(1), n = rows.size(0);
+  TORCH_CHECK(k.numel() == t * width && v.numel() == t * width, "write_kv: k/v shapes");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t bytes = width * rows.element_size();
+  auto* dst = static_cast<char*>(rows.data_ptr());
+  const auto* ks = static_cast<const char*>(k.data_ptr());
+  const auto* vs = static_cast<const char*>(v.data_ptr());
+  for (int64_t i = 0; i < t; ++i) {
+    const int64_t r = sl[i] + offset;
+    TORCH_CHECK(r >= 0 && r + bs < n, "write_kv: slot out of range");
+    std::memcpy(dst + r * bytes, ks + i * bytes, bytes);
+    std::memcpy(dst + (r + bs) * bytes, vs + i * bytes, bytes);
+  }
 }

@@ -1,8 +1,9 @@
 // One "path" type per instruction set (see isa.h), shared by the kernels: V is the float32
 // accumulator vector, In<T> what one load of kStep values of T becomes (bf16 widened to fp32
 // by a 16-bit shift, except on Avx512Bf16 where vdpbf16ps takes bf16 pairs as they are).
-// load(p) reads kStep values, madd(acc, a, b) = acc + a * b, hsum sums the lanes; set1, loadf
-// and storef (float32 vectors) serve the attention kernel's weighted sums.
+// load(p) reads kStep values, madd(acc, a, b) = acc + a * b, hsum sums the lanes, hsums(v)
+// sums each of kStep vectors into one lane of the result; set1, loadf and storef (float32
+// vectors) serve the attention kernels.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -56,9 +57,20 @@ struct Scalar {
   template <typename T>
   static V madd(V acc, In<T> a, In<T> b) { return acc + a * b; }
   static float hsum(V v) { return v; }
+  static V hsums(const V* v) { return v[0]; }
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
+// Lane i of the result = the sum of v[i]'s 8 lanes (8 horizontal sums for the price of ~2).
+inline __m256 hsums8(const __m256* v) {
+  const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 lo4 = _mm256_hadd_ps(s01, s23), hi4 = _mm256_hadd_ps(s45, s67);
+  // lo4 = [v0..v3 sums of lanes 0-3 | v0..v3 sums of lanes 4-7], hi4 the same for v4..v7.
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo4, hi4, 0x20),
+                       _mm256_permute2f128_ps(lo4, hi4, 0x31));
+}
+
 struct Avx2 {
   using V = __m256;
   template <typename T>
@@ -81,6 +93,7 @@ struct Avx2 {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  static V hsums(const V* v) { return hsums8(v); }
 };
 #endif
 
@@ -102,6 +115,14 @@ struct Avx512 {
   template <typename T>
   static V madd(V acc, In<T> a, In<T> b) { return _mm512_fmadd_ps(a, b, acc); }
   static float hsum(V v) { return _mm512_reduce_add_ps(v); }
+  static V hsums(const V* v) {  // each vector's halves added, then two hsums8
+    __m256 h[16];
+    for (int i = 0; i < 16; ++i)
+      h[i] = _mm256_add_ps(_mm512_castps512_ps256(v[i]),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[i]), 1)));
+    const __m512d lo = _mm512_castps_pd(_mm512_castps256_ps512(hsums8(h)));
+    return _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(hsums8(h + 8)), 1));
+  }
 };
 #endif
 
