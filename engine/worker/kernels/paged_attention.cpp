@@ -6,9 +6,8 @@
 // (see engine/worker/attention.py). `table[b, j]` is the layer-0 K chunk of sequence b's j-th
 // block; layer l's K chunk is table[b, j] + 2 * l and its V chunk the one after.
 //
-// Work is split over (sequence, kv head) pairs with at::parallel_for; each pair handles the
-// `group` query heads that share the kv head, so every K/V row comes from memory once for all
-// of them (the group's later heads find it in cache).
+// Work is split over sequences with at::parallel_for; each streams its K (then V) chunks block
+// by block, every row once for all query heads, with software prefetch two blocks ahead.
 // Scores, softmax and the weighted sum run in float32 whatever the cache dtype. The dot products
 // and weighted sums run on the instruction-set path current_isa() names (isa.h, simd.h;
 // float16 caches on the scalar one).
@@ -54,109 +53,132 @@ inline typename P::V dots(const float* q, const T* k, int64_t ld, int64_t dim) {
   return P::hsums(acc);
 }
 
-// o[0 .. C*kStep) = sum_t p[t] * v_t[off ..] over the context's n positions (V chunk of block j:
-// blocks[j] + vchunk), the C accumulators held in registers throughout.
-template <typename P, int C, typename T>
-inline void weighted_sum(const float* p, const T* chunks, const int64_t* blocks, int64_t vchunk,
-                         int64_t n, int64_t bs, int64_t row_elems, int64_t off, float* o) {
-  typename P::V acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = P::zero();
-  for (int64_t t0 = 0; t0 < n; t0 += bs) {
-    const T* vc = chunks + (blocks[t0 / bs] + vchunk) * bs * row_elems + off;
-    const int64_t len = std::min(bs, n - t0);
-    for (int64_t i = 0; i < len; ++i) {
-      const auto pv = P::set1(p[t0 + i]);
-      for (int c = 0; c < C; ++c)
-        acc[c] = P::template madd<T>(acc[c], pv, P::load(vc + i * row_elems + c * P::kStep));
-    }
-  }
-  for (int c = 0; c < C; ++c) P::storef(o + c * P::kStep, acc[c]);
+// Asks for the `bytes` at p to be brought into cache ahead of use: a block's K (or V) chunk is
+// 16 KiB at most 4 KiB pages long, too short for the hardware prefetcher to ramp up, so the
+// next-but-one chunk is requested while this one is computed on.
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
 }
 
-// One (sequence b, kv head kh) pair: the `group` query heads sharing kv head kh attend over the
-// sequence's n positions. K (then V) is read block by block in place; scores go kStep
-// positions at a time (dots), the weighted sum C vectors of head_dim at a time.
+constexpr int64_t kAhead = 2;  // blocks prefetched ahead
+
+// o[h, :] = sum_t p[h, t] * v_t (h's kv head) over the n positions: block by block, for each
+// (kv head, query head, C vectors of head_dim) the running sums held in registers for the
+// block's rows, `acc` ([heads, dim]) between blocks.
 template <typename P, typename T>
-void decode_pair(float* out, const float* q, const T* chunks, const int64_t* blocks, int64_t n,
-                 int64_t layer, int64_t bs, int64_t kv_heads, int64_t kh, int64_t group,
-                 int64_t dim, float scale, float* scores) {
+void weighted_sums(const float* scores, const T* chunks, const int64_t* blocks, int64_t vchunk,
+                   int64_t n, int64_t bs, int64_t kv_heads, int64_t group, int64_t dim,
+                   float* acc) {
   constexpr int C = 4;
+  const int64_t row_elems = kv_heads * dim, chunk_elems = bs * row_elems;
+  std::fill(acc, acc + kv_heads * group * dim, 0.f);
+  for (int64_t t0 = 0, j = 0; t0 < n; t0 += bs, ++j) {
+    if (t0 + kAhead * bs < n)
+      prefetch(chunks + (blocks[j + kAhead] + vchunk) * chunk_elems, chunk_elems * sizeof(T));
+    const T* vc = chunks + (blocks[j] + vchunk) * chunk_elems;
+    const int64_t len = std::min(bs, n - t0);
+    for (int64_t kh = 0, h = 0; kh < kv_heads; ++kh)
+      for (int64_t g = 0; g < group; ++g, ++h) {
+        const float* p = scores + h * n + t0;
+        float* o = acc + h * dim;
+        const T* v = vc + kh * dim;
+        int64_t d = 0;
+        for (; d + C * P::kStep <= dim; d += C * P::kStep) {
+          typename P::V a[C];
+          for (int c = 0; c < C; ++c) a[c] = P::loadf(o + d + c * P::kStep);
+          for (int64_t i = 0; i < len; ++i) {
+            const auto pv = P::set1(p[i]);
+            for (int c = 0; c < C; ++c)
+              a[c] = P::template madd<T>(a[c], pv, P::load(v + i * row_elems + d + c * P::kStep));
+          }
+          for (int c = 0; c < C; ++c) P::storef(o + d + c * P::kStep, a[c]);
+        }
+        for (; d < dim; ++d)
+          for (int64_t i = 0; i < len; ++i) o[d] += p[i] * static_cast<float>(v[i * row_elems + d]);
+      }
+  }
+}
+
+// Sequences [begin, end): each reads its blocks' K (then V) chunks front to back, every row
+// whole (all kv heads), so the memory is streamed; `heads` query heads, `group` per kv head.
+// Scores go kStep positions at a time (dots) where head_dim is a multiple of kStep.
+template <typename P, typename T>
+void decode_seqs(float* out, const float* q, const T* chunks, const int64_t* table,
+                 const int64_t* rows, const int64_t* ctx_lens, int64_t begin, int64_t end,
+                 int64_t max_blocks, int64_t layer, int64_t bs, int64_t kv_heads,
+                 int64_t group, int64_t dim, float scale) {
+  const int64_t heads = kv_heads * group;
   const int64_t row_elems = kv_heads * dim;  // one position's K (or V) in a chunk
+  const int64_t chunk_elems = bs * row_elems;
   const bool wide = dim % P::kStep == 0;
   const auto sv = P::set1(scale);
-  // Scores: s[g, t] = scale * <q_g, k_t>.
-  for (int64_t t0 = 0; t0 < n; t0 += bs) {
-    const T* kc = chunks + (blocks[t0 / bs] + 2 * layer) * bs * row_elems + kh * dim;
-    const int64_t len = std::min(bs, n - t0);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q + (kh * group + g) * dim;
-      float* sg = scores + g * n + t0;
-      int64_t i = 0;
-      if (wide)
-        for (; i + P::kStep <= len; i += P::kStep)
-          P::storef(sg + i, P::template madd<float>(P::zero(), sv,
-                                                    dots<P>(qg, kc + i * row_elems, row_elems,
-                                                            dim)));
-      for (; i < len; ++i) sg[i] = dot<P>(qg, kc + i * row_elems, dim) * scale;
+  std::vector<float> scores;  // [heads, n]
+  std::vector<float> acc(heads * dim);
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t n = ctx_lens[b];
+    const int64_t* blocks = table + b * max_blocks;
+    const float* qb = q + rows[b] * heads * dim;
+    scores.resize(heads * n);
+    for (int64_t j = 0; j < kAhead && j * bs < n; ++j)
+      prefetch(chunks + (blocks[j] + 2 * layer) * chunk_elems, chunk_elems * sizeof(T));
+    // Scores: s[h, t] = scale * <q_h, k_t of h's kv head>.
+    for (int64_t t0 = 0, j = 0; t0 < n; t0 += bs, ++j) {
+      if (t0 + kAhead * bs < n)
+        prefetch(chunks + (blocks[j + kAhead] + 2 * layer) * chunk_elems, chunk_elems * sizeof(T));
+      const T* kc = chunks + (blocks[j] + 2 * layer) * chunk_elems;
+      const int64_t len = std::min(bs, n - t0);
+      for (int64_t kh = 0, h = 0; kh < kv_heads; ++kh)
+        for (int64_t g = 0; g < group; ++g, ++h) {
+          const float* qh = qb + h * dim;
+          float* sh = scores.data() + h * n + t0;
+          const T* k = kc + kh * dim;
+          int64_t i = 0;
+          if (wide)
+            for (; i + P::kStep <= len; i += P::kStep)
+              P::storef(sh + i, P::template madd<float>(
+                                    P::zero(), sv, dots<P>(qh, k + i * row_elems, row_elems, dim)));
+          for (; i < len; ++i) sh[i] = dot<P>(qh, k + i * row_elems, dim) * scale;
+        }
     }
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    // Softmax, then the weighted sum of V rows divided by the softmax's denominator.
-    float* s = scores + g * n;
-    float m = -std::numeric_limits<float>::infinity();
+    // The V chunks of the first blocks are asked for while the softmax runs.
+    for (int64_t j = 0; j < kAhead && j * bs < n; ++j)
+      prefetch(chunks + (blocks[j] + 2 * layer + 1) * chunk_elems, chunk_elems * sizeof(T));
+    for (int64_t h = 0; h < heads; ++h) {  // softmax per query head, unnormalized
+      float* s = scores.data() + h * n;
+      float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
-    for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      s[t] = exp_nonpos(s[t] - m);
-      sum += s[t];
+      for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+#pragma omp simd
+      for (int64_t t = 0; t < n; ++t) s[t] = exp_nonpos(s[t] - m);
     }
-    float* o = out + (kh * group + g) * dim;
-    const int64_t vchunk = 2 * layer + 1;
-    int64_t d = 0;
-    for (; d + C * P::kStep <= dim; d += C * P::kStep)
-      weighted_sum<P, C>(s, chunks, blocks, vchunk, n, bs, row_elems, kh * dim + d, o + d);
-    for (; d + P::kStep <= dim; d += P::kStep)
-      weighted_sum<P, 1>(s, chunks, blocks, vchunk, n, bs, row_elems, kh * dim + d, o + d);
-    for (; d < dim; ++d)
-      weighted_sum<Scalar, 1>(s, chunks, blocks, vchunk, n, bs, row_elems, kh * dim + d, o + d);
-    const float inv = 1.f / sum;
-    for (int64_t e = 0; e < dim; ++e) o[e] *= inv;
+    weighted_sums<P, T>(scores.data(), chunks, blocks, 2 * layer + 1, n, bs, kv_heads, group,
+                        dim, acc.data());
+    float* o = out + rows[b] * heads * dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* s = scores.data() + h * n;
+      float sum = 0.f;
+      for (int64_t t = 0; t < n; ++t) sum += s[t];
+      const float inv = 1.f / sum;
+      for (int64_t d = 0; d < dim; ++d) o[h * dim + d] = acc[h * dim + d] * inv;
+    }
   }
 }
 
-// Pairs [begin, end) of (sequence, kv head), kv head fastest.
-template <typename P, typename T>
-void decode_pairs(float* out, const float* q, const T* chunks, const int64_t* table,
-                  const int64_t* rows, const int64_t* ctx_lens, int64_t begin, int64_t end,
-                  int64_t max_blocks, int64_t layer, int64_t bs, int64_t kv_heads,
-                  int64_t group, int64_t dim, float scale) {
-  const int64_t heads = kv_heads * group;
-  std::vector<float> scores;  // [group, n]
-  for (int64_t pair = begin; pair < end; ++pair) {
-    const int64_t b = pair / kv_heads, kh = pair % kv_heads, n = ctx_lens[b];
-    scores.resize(group * n);
-    decode_pair<P, T>(out + rows[b] * heads * dim, q + rows[b] * heads * dim, chunks,
-                      table + b * max_blocks, n, layer, bs, kv_heads, kh, group, dim, scale,
-                      scores.data());
-  }
-}
-
-// decode_pairs on the best path current_isa() allows for T (float32 and bf16 caches have vector
+// decode_seqs on the best path current_isa() allows for T (float32 and bf16 caches have vector
 // paths; other dtypes the scalar one).
 template <typename T, typename... A>
 void decode_on_path(A... args) {
   constexpr bool wide = std::is_same_v<T, float> || std::is_same_v<T, bf16>;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if constexpr (wide)
-    if (current_isa() >= Isa::kAvx512) return decode_pairs<Avx512, T>(args...);
+    if (current_isa() >= Isa::kAvx512) return decode_seqs<Avx512, T>(args...);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (wide)
-    if (current_isa() >= Isa::kAvx2) return decode_pairs<Avx2, T>(args...);
+    if (current_isa() >= Isa::kAvx2) return decode_seqs<Avx2, T>(args...);
 #endif
-  decode_pairs<Scalar, T>(args...);
+  decode_seqs<Scalar, T>(args...);
 }
 
 }  // namespace
@@ -189,7 +211,7 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor chunks, torc
     const int64_t* tb = table.data_ptr<int64_t>();
     const int64_t* rw = rows.data_ptr<int64_t>();
     const int64_t* cl = ctx_lens.data_ptr<int64_t>();
-    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
       decode_on_path<scalar_t>(o, qp, c, tb, rw, cl, begin, end, max_blocks, layer, bs,
                                kv_heads, group, dim, s);
     });
