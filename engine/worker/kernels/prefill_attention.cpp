@@ -27,10 +27,11 @@ namespace {
 
 using namespace simd;
 
-constexpr int64_t kBlockK = 64;  // keys per tile (a multiple of every path's C * kStep)
+constexpr int64_t kBlockK = 128;  // keys per tile (a multiple of every path's C * kStep)
 
-// Query positions per block: about 64 packed rows whatever the group size.
-int64_t block_q(int64_t group) { return std::max<int64_t>(8, 64 / group); }
+// Query positions per block: about 96 packed rows whatever the group size (64-128 keys x
+// 48-96 rows measured within 10% of each other at 1024 tokens, this the fastest).
+int64_t block_q(int64_t group) { return std::max<int64_t>(8, 96 / group); }
 
 // Register blocking per path: R rows x C vectors of accumulators (AVX-512 has 32 registers,
 // AVX2 16).
@@ -130,7 +131,8 @@ void query_block(const float* q, int64_t rows, int64_t group, int64_t first_pos,
     int64_t r = 0;
     for (; r + R <= rows; r += R) qk(std::integral_constant<int, R>{}, r);
     with_rows<R - 1>(rows - r, [&](auto n) { qk(n, r); });
-    // Online softmax: row r (position first_pos + r / group) sees keys up to its position.
+    // Online softmax: row r (position first_pos + r / group) sees keys up to its position;
+    // the keys past it (diagonal tiles) are set to -inf before and to 0 after the exp.
     for (r = 0; r < rows; ++r) {
       float* sr = s + r * kBlockK;
       const int64_t valid = std::min(nk, first_pos + r / group - k0 + 1);
@@ -139,18 +141,19 @@ void query_block(const float* q, int64_t rows, int64_t group, int64_t first_pos,
         std::fill(sr, sr + kBlockK, 0.f);
         continue;
       }
-      float mx = m[r];
-#pragma omp simd reduction(max : mx)
-      for (int64_t j = 0; j < valid; ++j) mx = std::max(mx, sr[j]);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < valid; ++j) {
-        sr[j] = exp_nonpos(sr[j] - mx);
-        sum += sr[j];
-      }
+      const int64_t cols = (valid + P::kStep - 1) / P::kStep * P::kStep;
+      std::fill(sr + valid, sr + cols, -std::numeric_limits<float>::infinity());
+      auto mv = P::set1(m[r]);
+      for (int64_t j = 0; j < cols; j += P::kStep) mv = P::max(mv, P::loadf(sr + j));
+      const float mx = P::hmax(mv);
+      const auto mxv = P::set1(mx);
+      for (int64_t j = 0; j < cols; j += P::kStep)
+        P::storef(sr + j, P::exp(P::sub(P::loadf(sr + j), mxv)));
       std::fill(sr + valid, sr + kBlockK, 0.f);
+      auto sum = P::zero();
+      for (int64_t j = 0; j < cols; j += P::kStep) sum = P::add(sum, P::loadf(sr + j));
       alpha[r] = exp_nonpos(m[r] - mx);  // 0 on the first tile (m = -inf)
-      l[r] = l[r] * alpha[r] + sum;
+      l[r] = l[r] * alpha[r] + P::hsum(sum);
       m[r] = mx;
     }
     const float* vt = v + k0 * dim;

@@ -2,8 +2,8 @@
 // accumulator vector, In<T> what one load of kStep values of T becomes (bf16 widened to fp32
 // by a 16-bit shift, except on Avx512Bf16 where vdpbf16ps takes bf16 pairs as they are).
 // load(p) reads kStep values, madd(acc, a, b) = acc + a * b, hsum sums the lanes, hsums(v)
-// sums each of kStep vectors into one lane of the result; set1, loadf and storef (float32
-// vectors) serve the attention kernels.
+// sums each of kStep vectors into one lane of the result; set1, loadf, storef, max, hmax,
+// add, sub and exp (exp_nonpos lane by lane) on float32 vectors serve the attention kernels.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -58,6 +58,11 @@ struct Scalar {
   static V madd(V acc, In<T> a, In<T> b) { return acc + a * b; }
   static float hsum(V v) { return v; }
   static V hsums(const V* v) { return v[0]; }
+  static V max(V a, V b) { return std::max(a, b); }
+  static float hmax(V v) { return v; }
+  static V add(V a, V b) { return a + b; }
+  static V sub(V a, V b) { return a - b; }
+  static V exp(V x) { return exp_nonpos(x); }
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -94,6 +99,28 @@ struct Avx2 {
     return _mm_cvtss_f32(s);
   }
   static V hsums(const V* v) { return hsums8(v); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static float hmax(V v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+  }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V exp(V x) {  // exp_nonpos, 8 lanes
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    for (const float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+      p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  }
 };
 #endif
 
@@ -122,6 +149,23 @@ struct Avx512 {
                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[i]), 1)));
     const __m512d lo = _mm512_castps_pd(_mm512_castps256_ps512(hsums8(h)));
     return _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(hsums8(h + 8)), 1));
+  }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static float hmax(V v) { return _mm512_reduce_max_ps(v); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V exp(V x) {  // exp_nonpos, 16 lanes
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    for (const float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+      p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    const __m512i e = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
   }
 };
 #endif
