@@ -14,11 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.arch import ModelArch
-from engine.models.linear import linear
+from engine.models.linear import linear, rope_kernel
 from engine.models.parallel import AllReduceFn, TPLayout
 from engine.models.rope import apply_rotary
 
-# attn(layer_idx, q [T, H, D], k [T, KV, D], v [T, KV, D]) -> [T, H, D]
+# attn(layer_idx, q [T, H, D], k [T, KV, D], v [T, KV, D]) -> [T, H, D]; q, k and v have
+# contiguous heads (unit last stride, head h at h * D) but rows of any stride: with the rope
+# kernel they are views of the fused q|k|v matmul output.
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -82,15 +84,21 @@ class DecoderLayer(nn.Module):
                    attn: AttentionFn, all_reduce: AllReduceFn | None) -> torch.Tensor:
         n = h.shape[0]
         qkv = linear(h, self.qkv_weight, self.qkv_bias)
+        kernel = rope_kernel(qkv) if self.q_norm is None else None
+        if kernel is not None:
+            # q and k rotated in place in qkv, one pass; q, k, v stay views of it.
+            kernel.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, self.eps)
-            k = rms_norm(k, self.k_norm, self.eps)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        v = v.view(n, self.num_kv_heads, self.head_dim).contiguous()
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if kernel is None:
+            if self.q_norm is not None:
+                q = rms_norm(q, self.q_norm, self.eps)
+                k = rms_norm(k, self.k_norm, self.eps)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+            v = v.contiguous()
         o = attn(self.layer_idx, q, k, v)
         out = linear(o.reshape(n, self.q_size), self.o_weight)
         if all_reduce is not None:

@@ -7,14 +7,18 @@ float32 or bfloat16 CPU inputs of at most `skinny_rows(dtype)` rows the compiled
 instead (bf16 with vdpbf16ps where the CPU has AVX512-BF16). The row threshold is measured
 on this machine for its dtype, thread count and kernel path (engine/worker/kernels/
 calibrate.py); beyond it the BLAS blocking wins. PDSERVE_LINEAR=torch keeps F.linear everywhere.
+`rope_kernel(qkv)` hands the layers the compiled `rope_` for a float32 q|k|v matmul output
+(rope.cpp: q and k rotated in place, one pass).
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 
-from engine.worker.kernels import linear_kernel
+from engine.worker.kernels import compiled, linear_kernel
 from engine.worker.kernels.calibrate import skinny_rows
 
 
@@ -27,3 +31,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             y = kernel.skinny_linear(x.contiguous(), weight.contiguous())
             return y if bias is None else y.add_(bias)
     return F.linear(x, weight, bias)
+
+
+def rope_kernel(x: torch.Tensor) -> ModuleType | None:
+    """The kernels' module, for rotating x (a float32 CPU q|k|v matmul output) in place with
+    `rope_`; None where the torch path applies (other dtypes keep torch's rounding order, which
+    transformers' reference shares)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+        return None
+    return compiled()

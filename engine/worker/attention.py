@@ -178,7 +178,7 @@ class PagedAttention:
         k, v = k.reshape(t, -1).to(dtype), v.reshape(t, -1).to(dtype)
         if self.kernel is not None:
             self.kernel.write_kv(self.rows, m.write_rows, layer * m.layer_stride, m.block_size,
-                                 k.contiguous(), v.contiguous())
+                                 k, v)  # rows of any stride (views of the q|k|v output)
             return
         write = m.write_rows + layer * m.layer_stride
         self.rows.index_copy_(0, torch.cat((write, write + m.block_size)), torch.cat((k, v)))
@@ -205,8 +205,7 @@ class PagedAttention:
             ks, vs = self._read(chunks, layer, q.dtype)
             ks, vs = ks[:s.ctx_len], vs[:s.ctx_len]
         if self.kernel is not None and q.dtype == torch.float32:
-            self.kernel.prefill_attention(out, q[rows].contiguous(), ks.contiguous(),
-                                          vs.contiguous(), self.scale)
+            self.kernel.prefill_attention(out, q[rows], ks, vs, self.scale)
             return
         mask = None
         if start:

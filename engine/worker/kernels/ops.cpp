@@ -10,6 +10,7 @@
 
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor chunks, torch::Tensor table,
                   torch::Tensor rows, torch::Tensor ctx_lens, int64_t layer, double scale);
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads);
 void write_kv(torch::Tensor rows, torch::Tensor slots, int64_t offset, int64_t bs,
               torch::Tensor k, torch::Tensor v);
 void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
@@ -52,6 +53,7 @@ Isa current_isa() { return static_cast<Isa>(g_isa.load(std::memory_order_relaxed
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("rope_", &rope_, "rotary embedding in place on the first heads of each row (CPU, fp32)");
   m.def("write_kv", &write_kv, "write one step's K and V at their paged-cache slots (CPU)");
   m.def("prefill_attention", &prefill_attention, "causal prefill attention, flash style (CPU)",
         py::call_guard<py::gil_scoped_release>());

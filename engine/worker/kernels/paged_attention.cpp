@@ -220,26 +220,29 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor chunks, torc
 
 // Writes one step's K and V at their cache slots: rows[slots[i] + offset] = k[i] and
 // rows[slots[i] + offset + bs] = v[i] (the V chunk follows the K chunk by bs rows). rows: the
-// cache as [N, KV * D]; k, v: [T, KV * D] of the cache's dtype; slots: int64 [T]. One call per
-// layer instead of four torch ops (two cats, an add, an index_copy_).
+// cache as [N, KV * D]; k, v: [T, KV * D] of the cache's dtype, unit column stride (any row
+// stride: views of the fused q|k|v matmul output do); slots: int64 [T]. One call per layer
+// instead of four torch ops (two cats, an add, an index_copy_).
 void write_kv(torch::Tensor rows, torch::Tensor slots, int64_t offset, int64_t bs,
               torch::Tensor k, torch::Tensor v) {
   TORCH_CHECK(rows.scalar_type() == k.scalar_type() && rows.scalar_type() == v.scalar_type(),
               "write_kv: k and v must have the cache's dtype");
-  TORCH_CHECK(rows.is_contiguous() && k.is_contiguous() && v.is_contiguous() &&
-                  slots.is_contiguous() && slots.scalar_type() == torch::kLong,
-              "write_kv: contiguous tensors and int64 slots");
+  TORCH_CHECK(rows.is_contiguous() && slots.is_contiguous() && slots.scalar_type() == torch::kLong,
+              "write_kv: contiguous cache and int64 slots");
   const int64_t t = slots.size(0), width = rows.size(1), n = rows.size(0);
-  TORCH_CHECK(k.numel() == t * width && v.numel() == t * width, "write_kv: k/v shapes");
+  TORCH_CHECK(k.dim() == 2 && v.dim() == 2 && k.size(0) == t && v.size(0) == t &&
+                  k.size(1) == width && v.size(1) == width && k.stride(1) == 1 &&
+                  v.stride(1) == 1,
+              "write_kv: k and v must be [T, KV * D] with unit column stride");
   const int64_t* sl = slots.data_ptr<int64_t>();
-  const int64_t bytes = width * rows.element_size();
+  const int64_t item = rows.element_size(), bytes = width * item;
   auto* dst = static_cast<char*>(rows.data_ptr());
   const auto* ks = static_cast<const char*>(k.data_ptr());
   const auto* vs = static_cast<const char*>(v.data_ptr());
   for (int64_t i = 0; i < t; ++i) {
     const int64_t r = sl[i] + offset;
     TORCH_CHECK(r >= 0 && r + bs < n, "write_kv: slot out of range");
-    std::memcpy(dst + r * bytes, ks + i * bytes, bytes);
-    std::memcpy(dst + (r + bs) * bytes, vs + i * bytes, bytes);
+    std::memcpy(dst + r * bytes, ks + i * k.stride(0) * item, bytes);
+    std::memcpy(dst + (r + bs) * bytes, vs + i * v.stride(0) * item, bytes);
   }
 }

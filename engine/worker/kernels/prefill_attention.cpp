@@ -180,8 +180,9 @@ void query_block(const float* q, int64_t rows, int64_t group, int64_t first_pos,
 }
 
 template <typename P, typename T>
-void prefill(float* out, const T* q, const T* k, const T* v, int64_t tokens, int64_t keys,
-             int64_t heads, int64_t kv_heads, int64_t dim, float scale) {
+void prefill(float* out, const T* q, const T* k, const T* v, int64_t ldq, int64_t ldk,
+             int64_t ldv, int64_t tokens, int64_t keys, int64_t heads, int64_t kv_heads,
+             int64_t dim, float scale) {
   const int64_t group = heads / kv_heads, start = keys - tokens;
   const int64_t bq = block_q(group), blocks = (tokens + bq - 1) / bq;
   const int64_t padded = (keys + kBlockK - 1) / kBlockK * kBlockK;
@@ -191,8 +192,8 @@ void prefill(float* out, const T* q, const T* k, const T* v, int64_t tokens, int
   at::parallel_for(0, kv_heads, 1, [&](int64_t b, int64_t e) {
     for (int64_t kh = b; kh < e; ++kh)
       for (int64_t j = 0; j < keys; ++j) {
-        const T* kr = k + (j * kv_heads + kh) * dim;
-        const T* vr = v + (j * kv_heads + kh) * dim;
+        const T* kr = k + j * ldk + kh * dim;
+        const T* vr = v + j * ldv + kh * dim;
         float* kd = kt.data() + kh * padded * dim + (j / kBlockK) * dim * kBlockK + j % kBlockK;
         float* vd = vp.data() + (kh * keys + j) * dim;
         for (int64_t d = 0; d < dim; ++d) {
@@ -213,7 +214,7 @@ void prefill(float* out, const T* q, const T* k, const T* v, int64_t tokens, int
       const int64_t t0 = blk * bq, nt = std::min(bq, tokens - t0), rows = nt * group;
       for (int64_t t = 0; t < nt; ++t)
         for (int64_t g = 0; g < group; ++g) {
-          const T* src = q + ((t0 + t) * heads + kh * group + g) * dim;
+          const T* src = q + (t0 + t) * ldq + (kh * group + g) * dim;
           float* dst = qp.data() + (t * group + g) * dim;
           for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]) * scale;
         }
@@ -243,26 +244,31 @@ void prefill_on_path(int64_t dim, A... args) {
 
 }  // namespace
 
-// out: float32 [T, H, D]; q: [T, H, D]; k, v: [S, KV, D] with S >= T, all contiguous, q, k, v
-// of one dtype. Query i sits at position S - T + i and sees keys 0 .. S - T + i.
+// out: float32 [T, H, D] contiguous; q: [T, H, D]; k, v: [S, KV, D] with S >= T, q, k, v of
+// one dtype, each with contiguous heads (any row stride: views of the fused q|k|v matmul
+// output do). Query i sits at position S - T + i and sees keys 0 .. S - T + i.
 void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
                        double scale) {
   TORCH_CHECK(out.scalar_type() == torch::kFloat, "prefill_attention: out must be float32");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
               "prefill_attention: q, k and v must share a dtype");
-  TORCH_CHECK(out.is_contiguous() && q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
-              "prefill_attention: tensors must be contiguous");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && out.sizes() == q.sizes(),
               "prefill_attention: bad shapes");
   const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t keys = k.size(0), kv_heads = k.size(1);
+  auto heads_contiguous = [&](const torch::Tensor& x) {
+    return x.stride(2) == 1 && x.stride(1) == dim;
+  };
+  TORCH_CHECK(out.is_contiguous() && heads_contiguous(q) && heads_contiguous(k) &&
+                  heads_contiguous(v),
+              "prefill_attention: out contiguous, q, k, v with contiguous heads");
   TORCH_CHECK(k.size(2) == dim && heads % kv_heads == 0 && keys >= tokens,
               "prefill_attention: head shapes differ or fewer keys than queries");
   const float s = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention",
                                   [&] {
     prefill_on_path<scalar_t>(dim, out.data_ptr<float>(), q.data_ptr<scalar_t>(),
-                              k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), tokens, keys, heads,
-                              kv_heads, dim, s);
+                              k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), q.stride(0),
+                              k.stride(0), v.stride(0), tokens, keys, heads, kv_heads, dim, s);
   });
 }

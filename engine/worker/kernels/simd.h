@@ -3,7 +3,7 @@
 // by a 16-bit shift, except on Avx512Bf16 where vdpbf16ps takes bf16 pairs as they are).
 // load(p) reads kStep values, madd(acc, a, b) = acc + a * b, hsum sums the lanes, hsums(v)
 // sums each of kStep vectors into one lane of the result; set1, loadf, storef, max, hmax,
-// add, sub and exp (exp_nonpos lane by lane) on float32 vectors serve the attention kernels.
+// add, sub, mul and exp (exp_nonpos lane by lane) on float32 vectors serve the attention kernels.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -62,6 +62,7 @@ struct Scalar {
   static float hmax(V v) { return v; }
   static V add(V a, V b) { return a + b; }
   static V sub(V a, V b) { return a - b; }
+  static V mul(V a, V b) { return a * b; }
   static V exp(V x) { return exp_nonpos(x); }
 };
 
@@ -108,6 +109,7 @@ struct Avx2 {
   }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V exp(V x) {  // exp_nonpos, 8 lanes
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
     const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -154,6 +156,7 @@ struct Avx512 {
   static float hmax(V v) { return _mm512_reduce_max_ps(v); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V exp(V x) {  // exp_nonpos, 16 lanes
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
     const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
