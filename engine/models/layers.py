@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.arch import ModelArch
-from engine.models.linear import linear, rope_kernel
+from engine.models.linear import fp32_kernels, linear
 from engine.models.parallel import AllReduceFn, TPLayout
 from engine.models.rope import apply_rotary
 
@@ -31,6 +31,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # One fused float32 norm, then HF's cast and scale (3 ops, not 7: a bf16 decode step runs
     # 2 per layer, and each op costs a few microseconds of dispatch).
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x), residual None meaning x alone: one compiled call
+    for float32 on the CPU (add_rms_norm, rms_norm.cpp), else a torch add and rms_norm."""
+    kernel = fp32_kernels(x) if x.is_contiguous() else None
+    if kernel is not None and (residual is None or residual.is_contiguous()):
+        return kernel.add_rms_norm(x, residual, weight, eps)
+    residual = x if residual is None else residual + x
+    return rms_norm(residual, weight, eps), residual
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -73,18 +84,16 @@ class DecoderLayer(nn.Module):
 
         Returns (mlp output, residual before it); their sum is the layer's output hidden state.
         """
-        residual = x if residual is None else residual + x
-        h = rms_norm(residual, self.input_norm, self.eps)
+        h, residual = add_rms_norm(x, residual, self.input_norm, self.eps)
         h = self._attention(h, cos, sin, attn, all_reduce)
-        residual = residual + h
-        h = rms_norm(residual, self.post_attn_norm, self.eps)
+        h, residual = add_rms_norm(h, residual, self.post_attn_norm, self.eps)
         return self._mlp(h, all_reduce), residual
 
     def _attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    attn: AttentionFn, all_reduce: AllReduceFn | None) -> torch.Tensor:
         n = h.shape[0]
         qkv = linear(h, self.qkv_weight, self.qkv_bias)
-        kernel = rope_kernel(qkv) if self.q_norm is None else None
+        kernel = fp32_kernels(qkv) if self.q_norm is None else None
         if kernel is not None:
             # q and k rotated in place in qkv, one pass; q, k, v stay views of it.
             kernel.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads)

@@ -3,9 +3,10 @@
 One extension module holds them all (bindings in ops.cpp): `paged_decode` (paged decode
 attention, paged_attention.cpp), `prefill_attention` (causal prefill attention,
 prefill_attention.cpp), `write_kv` (a step's K/V into the paged cache), `rope_` (rotary
-embedding in place, rope.cpp) and `skinny_linear` (float32 / bf16 matmuls with few rows,
-skinny_linear.cpp). `paged_attention()` and `linear_kernel()` return the module or None, in
-which case the caller uses its pure-torch path. The build is keyed by the sources, the compiler
+embedding in place, rope.cpp), `add_rms_norm` (residual add + RMSNorm, rms_norm.cpp) and
+`skinny_linear` (float32 / bf16 matmuls with few rows, skinny_linear.cpp).
+`paged_attention()` and `linear_kernel()` return the module or None, in which case the caller
+uses its pure-torch path. The build is keyed by the sources, the compiler
 flags, the torch version and the CPU (the code is built with -march=native) and cached as one
 shared object under $PDSERVE_KERNEL_CACHE (default ~/.cache/pdserve/kernels). A process that
 finds it imports it directly; one that does not builds it in a private temporary directory and
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(n)
             for n in ("ops.cpp", "paged_attention.cpp", "prefill_attention.cpp", "rope.cpp",
-                      "skinny_linear.cpp", "roofline.cpp")]
+                      "rms_norm.cpp", "skinny_linear.cpp", "roofline.cpp")]
 _HEADERS = [Path(__file__).with_name(n) for n in ("isa.h", "simd.h")]
 # -fopenmp: at::parallel_for is inlined into the kernel and parallel only with OpenMP on; the
 # extension then shares torch's own libgomp.so.1 (the loader finds it already loaded).

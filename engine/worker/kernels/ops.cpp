@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include <atomic>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -10,6 +11,9 @@
 
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor chunks, torch::Tensor table,
                   torch::Tensor rows, torch::Tensor ctx_lens, int64_t layer, double scale);
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x,
+                                                      c10::optional<torch::Tensor> residual,
+                                                      torch::Tensor weight, double eps);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads);
 void write_kv(torch::Tensor rows, torch::Tensor slots, int64_t offset, int64_t bs,
               torch::Tensor k, torch::Tensor v);
@@ -53,6 +57,8 @@ Isa current_isa() { return static_cast<Isa>(g_isa.load(std::memory_order_relaxed
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "residual add then RMSNorm, one pass (CPU, fp32)",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("rope_", &rope_, "rotary embedding in place on the first heads of each row (CPU, fp32)");
   m.def("write_kv", &write_kv, "write one step's K and V at their paged-cache slots (CPU)");
   m.def("prefill_attention", &prefill_attention, "causal prefill attention, flash style (CPU)",

@@ -1,11 +1,13 @@
-"""The compiled rope_ (rope.cpp) against engine/models/rope.py's apply_rotary, on every
-instruction-set path (the `kernel_isa` fixture forces each): q and k heads of a fused q|k|v
-row rotated in place, the v columns left alone."""
+"""The decoder layers' compiled helpers against the torch code they replace, on every
+instruction-set path (the `kernel_isa` fixture forces each): rope_ (rope.cpp) against
+engine/models/rope.py's apply_rotary, q and k heads of a fused q|k|v row rotated in place and
+the v columns left alone; add_rms_norm (rms_norm.cpp) against an add and F.rms_norm."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.models.rope import apply_rotary
 
@@ -35,3 +37,17 @@ def test_rope_rejects_what_it_cannot_rotate(kernel_isa):
         kernel_isa.rope_(torch.ones(4, 32, dtype=torch.bfloat16), cos, cos, 2)
     with pytest.raises(RuntimeError, match="shapes"):
         kernel_isa.rope_(torch.ones(4, 24), cos, cos, 2)
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("n", [512, 40])  # 40: a row no vector width divides
+def test_add_rms_norm_matches_torch(kernel_isa, with_residual, n):
+    gen = torch.Generator().manual_seed(n)
+    x, res = torch.randn(9, n, generator=gen), torch.randn(9, n, generator=gen)
+    w = torch.randn(n, generator=gen)
+    want_r = x + res if with_residual else x
+    want_h = F.rms_norm(want_r, (n,), w, 1e-6)
+    h, r = kernel_isa.add_rms_norm(x, res if with_residual else None, w, 1e-6)
+    torch.testing.assert_close(r, want_r, rtol=0, atol=0)
+    torch.testing.assert_close(h, want_h, rtol=1e-5, atol=1e-5)
+    assert r.data_ptr() != x.data_ptr()  # a new tensor, never x itself
