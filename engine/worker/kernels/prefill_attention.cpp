@@ -108,7 +108,7 @@ inline void with_rows(int64_t n, F&& f) {
 template <typename P>
 void query_block(const float* q, int64_t rows, int64_t group, int64_t first_pos, int64_t dim,
                  const float* kt, const float* v, float* s, float* o, float* m, float* l,
-                 float* alpha) {
+                 float* alpha, bool round_p) {
   constexpr int R = Blocking<P>::R, C = Blocking<P>::C;
   constexpr int64_t kw = C * P::kStep;  // keys (QK) or head_dim values (PV) per tile column
   std::fill(o, o + rows * dim, 0.f);
@@ -152,6 +152,8 @@ void query_block(const float* q, int64_t rows, int64_t group, int64_t first_pos,
       std::fill(sr + valid, sr + kBlockK, 0.f);
       auto sum = P::zero();
       for (int64_t j = 0; j < cols; j += P::kStep) sum = P::add(sum, P::loadf(sr + j));
+      if (round_p)  // bf16 inputs: P rounded to bf16 before P V, as torch's SDPA does
+        for (int64_t j = 0; j < valid; ++j) sr[j] = static_cast<float>(static_cast<bf16>(sr[j]));
       alpha[r] = exp_nonpos(m[r] - mx);  // 0 on the first tile (m = -inf)
       l[r] = l[r] * alpha[r] + P::hsum(sum);
       m[r] = mx;
@@ -220,7 +222,7 @@ void prefill(float* out, const T* q, const T* k, const T* v, int64_t ldq, int64_
         }
       query_block<P>(qp.data(), rows, group, start + t0, dim, kt.data() + kh * padded * dim,
                      vp.data() + kh * keys * dim, s.data(), o.data(), m.data(), l.data(),
-                     alpha.data());
+                     alpha.data(), std::is_same_v<T, bf16>);
       for (int64_t t = 0; t < nt; ++t)
         std::copy(o.data() + t * group * dim, o.data() + (t + 1) * group * dim,
                   out + ((t0 + t) * heads + kh * group) * dim);
