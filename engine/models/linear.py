@@ -8,7 +8,8 @@ instead (bf16 with vdpbf16ps where the CPU has AVX512-BF16). The row threshold i
 on this machine for its dtype, thread count and kernel path (engine/worker/kernels/
 calibrate.py); beyond it the BLAS blocking wins. PDSERVE_LINEAR=torch keeps F.linear everywhere.
 `fp32_kernels(x)` hands the layers the compiled `rope_` (rope.cpp: q and k rotated in place in
-a float32 q|k|v matmul output, one pass) and `add_rms_norm` (rms_norm.cpp).
+a float32 q|k|v matmul output, one pass), `add_rms_norm` (rms_norm.cpp) and `silu_mul_`
+(silu_mul.cpp).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def fp32_kernels(x: torch.Tensor) -> ModuleType | None:
     """The kernels' module, for x a float32 CPU [T, n] tensor (`rope_` on a q|k|v matmul
-    output, `add_rms_norm`); None where the torch path applies (other dtypes keep torch's
-    rounding order, which transformers' reference shares)."""
+    output, `add_rms_norm`, `silu_mul_`); None where the torch path applies (other dtypes
+    keep torch's rounding order, which transformers' reference shares)."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
         return None
     return compiled()
