@@ -80,10 +80,11 @@ def test_torch_path_matches_dense_reference(dtype):
 
 @DTYPES
 def test_long_prefills_match_dense_reference_on_every_isa_path(kernel_isa, dtype):
-    """The prefill kernel over several 128-key tiles and query blocks: a fresh prefill, a later
-    chunk (its queries start at position 130), beside a decode; q, k and v are views of one
+    """The prefill kernel over several 128-key tiles and query blocks: a fresh prefill, later
+    chunks (queries from position 130; from 120, a block straddling the tile at 128, whose
+    first rows see none of that tile's keys), beside a decode; q, k and v are views of one
     fused q|k|v tensor (strided rows), as the model passes them."""
-    _check(kernel_isa, dtype, [(300, 300), (70, 200), (1, 90)], seeds=1, fused=True)
+    _check(kernel_isa, dtype, [(300, 300), (70, 200), (40, 160), (1, 90)], seeds=1, fused=True)
 
 
 def _fused_views(q, k, v):
