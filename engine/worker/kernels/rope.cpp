@@ -64,7 +64,8 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads)
       return rotate_rows<Avx512>(xp, ldx, cp, sp, ldc, b, e, heads, dim);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-    if (current_isa() >= Isa::kAvx2) return rotate_rows<Avx2>(xp, ldx, cp, sp, ldc, b, e, heads, dim);
+    if (current_isa() >= Isa::kAvx2)
+      return rotate_rows<Avx2>(xp, ldx, cp, sp, ldc, b, e, heads, dim);
 #endif
     rotate_rows<Scalar>(xp, ldx, cp, sp, ldc, b, e, heads, dim);
   });
