@@ -22,12 +22,18 @@ Engine (the real EngineCore in this process, torch.set_num_threads(t), prefix ca
       decode bytes = e * (P + V*hidden) + e * 2*L*KV*D*c
   with e the dtype's bytes per element and c the step's mean context length. Reported as
   GB/s and as a fraction of the streaming-read bandwidth at the same thread count.
+- practical prefill bound (fp32): torch's F.linear (the BLAS sgemm the prefill runs) timed on
+  this model's own four per-layer matmul shapes at --prefill-tokens rows, best of --repeats
+  each; sgemm GFLOP/s = their FLOPs / their summed times, and prefill_fma_bound = that / the
+  FMA peak: the fraction a prefill would reach if every FLOP (attention included) ran at the
+  sgemm's rate and nothing else (norms, rope, activations, KV writes) took any time.
 - bf16: the same prefill and decode with --dtype bfloat16 (null where the CPU has no bf16 dot
   instructions); bf16_prefill_speedup = fp32 prefill time / bf16 prefill time at the thread
   count where fp32 prefill is fastest.
 Every timing is the best of --repeats (a noisy machine only ever slows a run down).
 Result JSON: prefill_fma_fraction and decode_bandwidth_fraction (the best thread count of
-each), bf16_prefill_speedup, the raw numbers per thread count, the CPU's model name and flags.
+each), prefill_fma_bound (at prefill_fma_fraction's thread count), bf16_prefill_speedup,
+the raw numbers per thread count, the CPU's model name and flags.
 """
 
 from __future__ import annotations
@@ -67,6 +73,36 @@ def model_costs(model: str) -> dict[str, int]:
                  + a.hidden_size * 2 * a.intermediate_size + a.intermediate_size * a.hidden_size)
     return {"linear_params": a.num_layers * per_layer, "head_params": a.vocab_size * a.hidden_size,
             "attn_hd": a.num_layers * q, "kv_per_token": 2 * a.num_layers * kv}
+
+
+def prefill_linear_shapes(model: str) -> list[tuple[int, int]]:
+    """[out, in] of one layer's four matmuls (q|k|v, o, gate|up, down): the prefill's sgemms."""
+    from engine.models import load_arch
+
+    a = load_arch(model)
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    return [(q + 2 * kv, a.hidden_size), (a.hidden_size, q),
+            (2 * a.intermediate_size, a.hidden_size), (a.hidden_size, a.intermediate_size)]
+
+
+def sgemm_gflops(shapes: list[tuple[int, int]], tokens: int, repeats: int) -> float:
+    """torch's F.linear (the BLAS sgemm the engine's prefill calls) on [tokens, in] x [out, in]^T
+    for each shape, best of `repeats` each: GFLOP/s over all of them together, in float32."""
+    import torch
+    import torch.nn.functional as F
+
+    flop = seconds = 0.0
+    gen = torch.Generator().manual_seed(0)
+    for out_f, in_f in shapes:
+        x, w = torch.randn(tokens, in_f, generator=gen), torch.randn(out_f, in_f, generator=gen)
+        F.linear(x, w)  # warm
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            F.linear(x, w)
+            best = min(best, time.perf_counter() - start)
+        flop, seconds = flop + 2.0 * tokens * out_f * in_f, seconds + best
+    return flop / seconds / 1e9
 
 
 def prefill_flop(c: dict[str, int], tokens: int) -> float:
@@ -120,9 +156,11 @@ def _engine_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> di
                                                  5 + args.decode_steps, i)])[5:]
                 steps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
                 decode = min(decode, sorted(steps)[len(steps) // 2])  # a run's median step
+            sgemm = sgemm_gflops(prefill_linear_shapes(args.model), args.prefill_tokens,
+                                 args.repeats) if dtype == "float32" else None
             breakdowns = [_prefill_breakdown(client, vocab, args.prefill_tokens, f"b{t}-{i}")
                           for i in range(max(1, args.repeats // 2))]
-            out[t] = {"prefill_s": prefill, "decode_step_s": decode,
+            out[t] = {"prefill_s": prefill, "decode_step_s": decode, "sgemm_gflops": sgemm,
                       **min(breakdowns, key=lambda b: b["breakdown_prefill_s"])}
     finally:
         client.shutdown()
@@ -166,6 +204,11 @@ def _engine_table(args: argparse.Namespace, dtype: str, runs: dict[int, dict],
                     "decode_step_ms": round(r["decode_step_s"] * 1e3, 3),
                     "decode_gbps": round(gbps, 2),
                     "decode_bandwidth_fraction": round(gbps / lim["read_gbps"], 3)}
+        if r["sgemm_gflops"]:
+            # The practical bound: every prefill FLOP at the BLAS sgemm's rate on this model's
+            # own matmul shapes, and nothing else taking any time.
+            table[t]["sgemm_gflops"] = round(r["sgemm_gflops"], 2)
+            table[t]["prefill_fma_bound"] = round(r["sgemm_gflops"] / lim["fma_gflops"], 3)
         if lim["bf16_dot_gflops"]:
             table[t]["prefill_bf16_dot_fraction"] = round(gflops / lim["bf16_dot_gflops"], 3)
         # Where one (separately timed) prefill spent its time.
@@ -194,7 +237,9 @@ def _print(dtype: str, table: dict[int, dict], limits: dict[str, Any]) -> None:
     for t, r in table.items():
         lim = limits["threads"][t]
         print(f"{dtype:8s} {t} thr  prefill {r['prefill_gflops']:7.1f} GFLOP/s = "
-              f"{r['prefill_fma_fraction']:.2f} of fp32 FMA peak {lim['fma_gflops']:.1f}  |  "
+              f"{r['prefill_fma_fraction']:.2f} of fp32 FMA peak {lim['fma_gflops']:.1f}"
+              + (f" (sgemm bound {r['prefill_fma_bound']:.2f})" if "prefill_fma_bound" in r
+                 else "") + "  |  "
               f"decode {r['decode_gbps']:6.2f} GB/s = {r['decode_bandwidth_fraction']:.2f} of "
               f"stream read {lim['read_gbps']:.2f}", flush=True)
 
@@ -227,6 +272,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode_context": args.decode_context, "float32": fp32,
         "prefill_fma_fraction": fp32[best_p]["prefill_fma_fraction"],
         "prefill_fma_fraction_threads": best_p,
+        "prefill_fma_bound": fp32[best_p].get("prefill_fma_bound"),
         "decode_bandwidth_fraction": fp32[best_d]["decode_bandwidth_fraction"],
         "decode_bandwidth_fraction_threads": best_d,
         "bf16_prefill_speedup": None, "bfloat16": None,
@@ -236,7 +282,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["bf16_prefill_speedup"] = round(
             fp32[fastest]["prefill_s"] / bf16[fastest]["prefill_s"], 3)
         result["bf16_prefill_speedup_threads"] = fastest
-    print(f"prefill_fma_fraction {result['prefill_fma_fraction']} ({best_p} thr)  "
+    print(f"prefill_fma_fraction {result['prefill_fma_fraction']} ({best_p} thr, bound "
+          f"{result['prefill_fma_bound']})  "
           f"decode_bandwidth_fraction {result['decode_bandwidth_fraction']} ({best_d} thr)  "
           f"bf16_prefill_speedup {result['bf16_prefill_speedup']}")
     return result

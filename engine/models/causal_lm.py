@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from engine.models.arch import ModelArch
-from engine.models.layers import AttentionFn, DecoderLayer, empty_param, rms_norm
+from engine.models.layers import AttentionFn, DecoderLayer, add_rms_norm, empty_param
 from engine.models.linear import linear
 from engine.models.parallel import (
     Collectives,
@@ -80,7 +80,7 @@ class CausalLM(nn.Module):
         reduce = None if self.comm is None else self.comm.all_reduce
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, attn, reduce)
-        return rms_norm(residual + x, self.norm, self.arch.rms_norm_eps)
+        return add_rms_norm(x, residual, self.norm, self.arch.rms_norm_eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] (rows of forward's output) -> float32 logits [N, vocab_size]."""

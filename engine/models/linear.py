@@ -7,14 +7,19 @@ float32 or bfloat16 CPU inputs of at most `skinny_rows(dtype)` rows the compiled
 instead (bf16 with vdpbf16ps where the CPU has AVX512-BF16). The row threshold is measured
 on this machine for its dtype, thread count and kernel path (engine/worker/kernels/
 calibrate.py); beyond it the BLAS blocking wins. PDSERVE_LINEAR=torch keeps F.linear everywhere.
+`fp32_kernels(x)` hands the layers the compiled `rope_` (rope.cpp: q and k rotated in place in
+a float32 q|k|v matmul output, one pass), `add_rms_norm` (rms_norm.cpp) and `silu_mul_`
+(silu_mul.cpp).
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 
-from engine.worker.kernels import linear_kernel
+from engine.worker.kernels import compiled, linear_kernel
 from engine.worker.kernels.calibrate import skinny_rows
 
 
@@ -27,3 +32,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             y = kernel.skinny_linear(x.contiguous(), weight.contiguous())
             return y if bias is None else y.add_(bias)
     return F.linear(x, weight, bias)
+
+
+def fp32_kernels(x: torch.Tensor) -> ModuleType | None:
+    """The kernels' module, for x a float32 CPU [T, n] tensor (`rope_` on a q|k|v matmul
+    output, `add_rms_norm`, `silu_mul_`); None where the torch path applies (other dtypes
+    keep torch's rounding order, which transformers' reference shares)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+        return None
+    return compiled()

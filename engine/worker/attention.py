@@ -17,7 +17,11 @@ right for fresh prefills, later prefill chunks and prefix-cache hits alike.
 Decodes (one query token) go to the compiled kernel (engine/worker/kernels) when it is
 available: it reads each sequence's K/V in place through its block table, every sequence at
 its own length. Without it they are gathered with index_select and batched into padded
-scaled_dot_product_attention calls, grouped by length.
+scaled_dot_product_attention calls, grouped by length. Float32 and bf16 prefills go to the
+compiled flash-style causal kernel (prefill_attention.cpp: GQA-aware tiles, tiles above the
+diagonal skipped, fp32 accumulation, bf16's softmax weights rounded to bf16 before P V as
+torch's SDPA does; 1.6x SDPA on a 1024-token fp32 prompt); other dtypes, and all prefills
+without the kernels, to scaled_dot_product_attention.
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ class AttentionMetadata:
     ((block * L + layer) * 2 + kv) * bs + offset; reads copy whole chunks of `bs` rows
     (chunk (block * L + layer) * 2 + kv), which is about twice as fast as gathering rows.
     Indices are computed once per step for layer 0 and shifted per layer, so each layer does
-    one index_copy_ to write and one index_select per K and V to read.
+    one write (the kernels' write_kv, else an index_copy_) and one index_select per K and V to
+    read.
     """
 
     def __init__(self, spans: list[SeqSpan], block_size: int, num_layers: int,
@@ -141,7 +146,7 @@ class PagedAttention:
     def __init__(self, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                  kernel: ModuleType | None = None) -> None:
         self.kv_cache = kv_cache
-        self.kernel = kernel if meta.decode_table is not None else None
+        self.kernel = kernel
         self.rows = kv_cache.view(-1, kv_cache.shape[-2] * kv_cache.shape[-1])
         self.chunks = kv_cache.view(-1, kv_cache[0, 0, 0].numel())
         self.block_view = kv_cache.view(-1, *kv_cache.shape[-3:])  # [chunks, bs, KV, D]
@@ -152,30 +157,31 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                  ) -> torch.Tensor:
         m = self.meta
-        write = m.write_rows + layer * m.layer_stride
-        t = k.shape[0]
-        self.rows.index_copy_(0, torch.cat((write, write + m.block_size)),
-                              torch.cat((k.reshape(t, -1), v.reshape(t, -1))).to(
-                                  self.rows.dtype))
-        if self.kernel is not None:
-            return self._with_kernel(layer, q, k, v)
-        out = torch.empty_like(q)
+        self._write(layer, k, v)
+        # The kernels write float32 rows; the torch paths rows of q's dtype.
+        out = torch.empty(q.shape, dtype=torch.float32 if self.kernel is not None else q.dtype,
+                          device=q.device)
+        if m.decode_table is not None and self.kernel is not None:
+            t = m.decode_table
+            self.kernel.paged_decode(out, q.float().contiguous(), self.block_view, t.chunks,
+                                     t.rows, t.ctx, layer, self.scale)
         for s in m.prefill_spans:
-            out[s.q_start:s.q_start + s.q_len] = self._prefill(layer, s, q, k, v)
+            self._prefill(layer, s, q, k, v, out[s.q_start:s.q_start + s.q_len])
         for g in m.decode_groups:
-            out[g.rows] = self._decode(layer, g, q[g.rows])
-        return out
-
-    def _with_kernel(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                     ) -> torch.Tensor:
-        """Decodes by the compiled kernel (float32 in and out), prefills by the torch path."""
-        t = self.meta.decode_table
-        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        self.kernel.paged_decode(out, q.float().contiguous(), self.block_view, t.chunks,
-                                 t.rows, t.ctx, layer, self.scale)
-        for s in self.meta.prefill_spans:
-            out[s.q_start:s.q_start + s.q_len] = self._prefill(layer, s, q, k, v)
+            out[g.rows] = self._decode(layer, g, q[g.rows]).to(out.dtype)
         return out.to(q.dtype)
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This step's K and V into their cache slots (one kernel call, or two cats and an
+        index_copy_)."""
+        m, t, dtype = self.meta, k.shape[0], self.rows.dtype
+        k, v = k.reshape(t, -1).to(dtype), v.reshape(t, -1).to(dtype)
+        if self.kernel is not None:
+            self.kernel.write_kv(self.rows, m.write_rows, layer * m.layer_stride, m.block_size,
+                                 k, v)  # rows of any stride (views of the q|k|v output)
+            return
+        write = m.write_rows + layer * m.layer_stride
+        self.rows.index_copy_(0, torch.cat((write, write + m.block_size)), torch.cat((k, v)))
 
     def _read(self, chunks: torch.Tensor, layer: int, dtype: torch.dtype
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,26 +193,31 @@ class PagedAttention:
         return k.to(dtype), v.to(dtype)
 
     def _prefill(self, layer: int, s: SeqSpan, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor) -> torch.Tensor:
+                 v: torch.Tensor, out: torch.Tensor) -> None:
+        """Causal attention of one sequence's q_len queries into `out` (its rows)."""
         rows = slice(s.q_start, s.q_start + s.q_len)
-        qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         start = s.ctx_len - s.q_len
         if start == 0:
             # Fresh prefill: the keys are exactly this chunk's own, no cache read needed.
             ks, vs = k[rows], v[rows]
-            mask, causal = None, True
         else:
             chunks = self.meta.context_chunks(s.block_ids, s.ctx_len, q.device)
             ks, vs = self._read(chunks, layer, q.dtype)
             ks, vs = ks[:s.ctx_len], vs[:s.ctx_len]
+        if self.kernel is not None and q.dtype in (torch.float32, torch.bfloat16):
+            self.kernel.prefill_attention(out, q[rows], ks, vs, self.scale)
+            return
+        mask = None
+        if start:
             qpos = torch.arange(start, s.ctx_len, device=q.device)
             kpos = torch.arange(s.ctx_len, device=q.device)
-            mask, causal = (kpos[None, :] <= qpos[:, None]), False
+            mask = kpos[None, :] <= qpos[:, None]
         o = F.scaled_dot_product_attention(
-            qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True,
+            q[rows].transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0),
+            vs.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=mask is None,
+            scale=self.scale, enable_gqa=True,
         )
-        return o.squeeze(0).transpose(0, 1)
+        out.copy_(o.squeeze(0).transpose(0, 1))
 
     def _decode(self, layer: int, g: DecodeGroup, q: torch.Tensor) -> torch.Tensor:
         k, v = self._read(g.chunks, layer, q.dtype)  # [B, S, KV, D]

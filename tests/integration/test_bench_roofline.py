@@ -32,6 +32,9 @@ def test_roofline_reports_the_fractions_and_the_machine(result):
     # The tiny model's weights fit in the caches, so its decode may beat DRAM bandwidth.
     assert 0 < result["decode_bandwidth_fraction"] < 20
     assert result["prefill_fma_fraction_threads"] == 1
+    # The practical bound: torch's sgemm on the model's own matmul shapes.
+    assert 0 < result["prefill_fma_bound"] <= 1.5
+    assert result["float32"]["1"]["sgemm_gflops"] > 0
     assert result["decode_bandwidth_fraction_threads"] == 1
     lim = result["limits"]["threads"]["1"]
     assert lim["fma_gflops"] > 0 and lim["read_gbps"] > 0

@@ -1,4 +1,5 @@
-"""Paged attention: the compiled decode kernel and the torch path against a dense reference.
+"""Paged attention: the compiled decode and prefill kernels and the torch path against a dense
+reference.
 
 The reference gathers each sequence's K/V from its (shuffled, non-contiguous) blocks by hand and
 runs plain softmax attention in float64, so both paths are checked against the definition, not
@@ -77,10 +78,28 @@ def test_torch_path_matches_dense_reference(dtype):
     _check(None, dtype)
 
 
-def _check(kernel, dtype):
+@DTYPES
+def test_long_prefills_match_dense_reference_on_every_isa_path(kernel_isa, dtype):
+    """The prefill kernel over several 128-key tiles and query blocks: a fresh prefill, later
+    chunks (queries from position 130; from 120, a block straddling the tile at 128, whose
+    first rows see none of that tile's keys), beside a decode; q, k and v are views of one
+    fused q|k|v tensor (strided rows), as the model passes them."""
+    _check(kernel_isa, dtype, [(300, 300), (70, 200), (40, 160), (1, 90)], seeds=1, fused=True)
+
+
+def _fused_views(q, k, v):
+    t = q.shape[0]
+    qkv = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), 1)
+    q_, k_, v_ = qkv.split((q[0].numel(), k[0].numel(), v[0].numel()), 1)
+    return q_.view(q.shape), k_.view(k.shape), v_.view(v.shape)
+
+
+def _check(kernel, dtype, lens=LENS, seeds=3, fused=False):
     use_kernel = kernel is not None
-    for seed in range(3):
-        cache, q, k, v, spans = _case(seed, LENS, dtype)
+    for seed in range(seeds):
+        cache, q, k, v, spans = _case(seed, lens, dtype)
+        if fused:
+            q, k, v = _fused_views(q, k, v)
         layer = seed % LAYERS
         meta = AttentionMetadata(spans, BS, LAYERS, torch.device("cpu"), kernel=use_kernel)
         assert (meta.decode_table is not None) == use_kernel

@@ -1,19 +1,22 @@
 """Compiled CPU kernels, built once per machine with torch's C++ extension builder.
 
 One extension module holds them all (bindings in ops.cpp): `paged_decode` (paged decode
-attention, paged_attention.cpp) and `skinny_linear` (float32 / bf16 matmuls with few rows,
-skinny_linear.cpp). `paged_attention()` and `linear_kernel()` return the module or None, in
-which case the caller uses its pure-torch path. The build is keyed by the sources, the compiler
-flags, the torch version and the CPU (the code is built with -march=native) and cached as one
-shared object under $PDSERVE_KERNEL_CACHE (default ~/.cache/pdserve/kernels). A process that
-finds it imports it directly; one that does not builds it in a private temporary directory and
-moves the result into place atomically, so concurrent builders never wait on each other and a
-builder killed midway leaves no lock behind. `make install` builds it ahead of time
-(`python -m engine.worker.kernels`), so no engine start pays for the compiler.
-PDSERVE_ATTENTION=torch and PDSERVE_LINEAR=torch turn the kernels off (for comparisons and as
-escape hatches). The kernels run on the best instruction-set path the build has (isa.h:
-avx512_bf16 > avx512 > avx2 > scalar); PDSERVE_ISA forces a lower one. `roofline.cpp` holds the
-machine-limit loops of `pdserve bench roofline`.
+attention, paged_attention.cpp), `prefill_attention` (causal prefill attention,
+prefill_attention.cpp), `write_kv` (a step's K/V into the paged cache), `rope_` (rotary
+embedding in place, rope.cpp), `add_rms_norm` (residual add + RMSNorm, rms_norm.cpp),
+`silu_mul_` (SwiGLU's activation in place, silu_mul.cpp) and `skinny_linear` (float32 / bf16
+matmuls with few rows, skinny_linear.cpp). `paged_attention()` and `linear_kernel()` return the
+module or None, in which case the caller uses its pure-torch path. The build is keyed by the
+sources, the compiler flags, the torch version and the CPU (the code is built with
+-march=native) and cached as one shared object under $PDSERVE_KERNEL_CACHE (default
+~/.cache/pdserve/kernels). A process that finds it imports it directly; one that does not
+builds it in a private temporary directory and moves the result into place atomically, so
+concurrent builders never wait on each other and a builder killed midway leaves no lock behind.
+`make install` builds it ahead of time (`python -m engine.worker.kernels`), so no engine start
+pays for the compiler. PDSERVE_ATTENTION=torch and PDSERVE_LINEAR=torch turn the kernels off
+(for comparisons and as escape hatches). The kernels run on the best instruction-set path the
+build has (isa.h: avx512_bf16 > avx512 > avx2 > scalar); PDSERVE_ISA forces a lower one.
+`roofline.cpp` holds the machine-limit loops of `pdserve bench roofline`.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(n)
-            for n in ("ops.cpp", "paged_attention.cpp", "skinny_linear.cpp", "roofline.cpp")]
+            for n in ("ops.cpp", "paged_attention.cpp", "prefill_attention.cpp", "rope.cpp",
+                      "rms_norm.cpp", "silu_mul.cpp", "skinny_linear.cpp", "roofline.cpp")]
 _HEADERS = [Path(__file__).with_name(n) for n in ("isa.h", "simd.h")]
 # -fopenmp: at::parallel_for is inlined into the kernel and parallel only with OpenMP on; the
 # extension then shares torch's own libgomp.so.1 (the loader finds it already loaded).

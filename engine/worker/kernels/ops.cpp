@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include <atomic>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -10,6 +11,15 @@
 
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor chunks, torch::Tensor table,
                   torch::Tensor rows, torch::Tensor ctx_lens, int64_t layer, double scale);
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x,
+                                                      c10::optional<torch::Tensor> residual,
+                                                      torch::Tensor weight, double eps);
+void silu_mul_(torch::Tensor x, int64_t inter);
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads);
+void write_kv(torch::Tensor rows, torch::Tensor slots, int64_t offset, int64_t bs,
+              torch::Tensor k, torch::Tensor v);
+void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                       double scale);
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w);
 int64_t fma_lanes();
 std::string fma_isa();
@@ -48,6 +58,13 @@ Isa current_isa() { return static_cast<Isa>(g_isa.load(std::memory_order_relaxed
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "residual add then RMSNorm, one pass (CPU, fp32)",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("silu_mul_", &silu_mul_, "SwiGLU activation in place in a gate|up output (CPU, fp32)");
+  m.def("rope_", &rope_, "rotary embedding in place on the first heads of each row (CPU, fp32)");
+  m.def("write_kv", &write_kv, "write one step's K and V at their paged-cache slots (CPU)");
+  m.def("prefill_attention", &prefill_attention, "causal prefill attention, flash style (CPU)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("skinny_linear", &skinny_linear, "x @ w^T for a few rows of x (CPU, float32 or bf16)");
   m.def("isa_paths", &isa_paths, "instruction-set paths this build has, best first");
   m.def("get_isa", &get_isa, "the path the kernels run now");

@@ -6,8 +6,8 @@
 // (see engine/worker/attention.py). `table[b, j]` is the layer-0 K chunk of sequence b's j-th
 // block; layer l's K chunk is table[b, j] + 2 * l and its V chunk the one after.
 //
-// Work is split over (sequence, kv head) pairs with at::parallel_for; each pair handles the
-// `group` query heads that share the kv head, so every K/V row is loaded once for all of them.
+// Work is split over sequences with at::parallel_for; each streams its K (then V) chunks block
+// by block, every row once for all query heads, with software prefetch two blocks ahead.
 // Scores, softmax and the weighted sum run in float32 whatever the cache dtype. The dot products
 // and weighted sums run on the instruction-set path current_isa() names (isa.h, simd.h;
 // float16 caches on the scalar one).
@@ -27,26 +27,6 @@ namespace {
 
 using namespace simd;
 
-// exp(x) for x <= 0 (softmax after subtracting the max), vectorizable: x = k ln2 + r with
-// |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7 there), 2^k put
-// into the exponent bits. Below -87 the result is 0 (e^-87 is under float's normal range).
-inline float exp_nonpos(float x) {
-  x = std::max(x, -87.f);
-  const float k = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - k * 0.693145751953125f - k * 1.428606765330187e-06f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 // <q, k> over dim values, vector-wide on path P (simd.h), the remainder one by one.
 template <typename P, typename T>
 inline float dot(const float* q, const T* k, int64_t dim) {
@@ -59,18 +39,70 @@ inline float dot(const float* q, const T* k, int64_t dim) {
   return s;
 }
 
-// a += p * v over dim values.
+// <q, k_i> for the kStep rows k_i = k + i * ld, as one vector (lane i); dim % kStep == 0.
+// The kStep accumulators are summed together at the end (P::hsums), not one by one.
 template <typename P, typename T>
-inline void axpy(float p, const T* v, float* a, int64_t dim) {
-  const auto pv = P::set1(p);
-  int64_t d = 0;
-  for (; d + P::kStep <= dim; d += P::kStep)
-    P::storef(a + d, P::template madd<T>(P::loadf(a + d), pv, P::load(v + d)));
-  for (; d < dim; ++d) a[d] += p * static_cast<float>(v[d]);
+inline typename P::V dots(const float* q, const T* k, int64_t ld, int64_t dim) {
+  typename P::V acc[P::kStep];
+  for (int i = 0; i < P::kStep; ++i) acc[i] = P::zero();
+  for (int64_t d = 0; d < dim; d += P::kStep) {
+    const auto qv = P::load(q + d);
+    for (int i = 0; i < P::kStep; ++i)
+      acc[i] = P::template madd<T>(acc[i], qv, P::load(k + i * ld + d));
+  }
+  return P::hsums(acc);
+}
+
+// Asks for the `bytes` at p to be brought into cache ahead of use: a block's K (or V) chunk is
+// 16 KiB at most 4 KiB pages long, too short for the hardware prefetcher to ramp up, so the
+// next-but-one chunk is requested while this one is computed on.
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
+}
+
+constexpr int64_t kAhead = 2;  // blocks prefetched ahead
+
+// o[h, :] = sum_t p[h, t] * v_t (h's kv head) over the n positions: block by block, for each
+// (kv head, query head, C vectors of head_dim) the running sums held in registers for the
+// block's rows, `acc` ([heads, dim]) between blocks.
+template <typename P, typename T>
+void weighted_sums(const float* scores, const T* chunks, const int64_t* blocks, int64_t vchunk,
+                   int64_t n, int64_t bs, int64_t kv_heads, int64_t group, int64_t dim,
+                   float* acc) {
+  constexpr int C = 4;
+  const int64_t row_elems = kv_heads * dim, chunk_elems = bs * row_elems;
+  std::fill(acc, acc + kv_heads * group * dim, 0.f);
+  for (int64_t t0 = 0, j = 0; t0 < n; t0 += bs, ++j) {
+    if (t0 + kAhead * bs < n)
+      prefetch(chunks + (blocks[j + kAhead] + vchunk) * chunk_elems, chunk_elems * sizeof(T));
+    const T* vc = chunks + (blocks[j] + vchunk) * chunk_elems;
+    const int64_t len = std::min(bs, n - t0);
+    for (int64_t kh = 0, h = 0; kh < kv_heads; ++kh)
+      for (int64_t g = 0; g < group; ++g, ++h) {
+        const float* p = scores + h * n + t0;
+        float* o = acc + h * dim;
+        const T* v = vc + kh * dim;
+        int64_t d = 0;
+        for (; d + C * P::kStep <= dim; d += C * P::kStep) {
+          typename P::V a[C];
+          for (int c = 0; c < C; ++c) a[c] = P::loadf(o + d + c * P::kStep);
+          for (int64_t i = 0; i < len; ++i) {
+            const auto pv = P::set1(p[i]);
+            for (int c = 0; c < C; ++c)
+              a[c] = P::template madd<T>(a[c], pv, P::load(v + i * row_elems + d + c * P::kStep));
+          }
+          for (int c = 0; c < C; ++c) P::storef(o + d + c * P::kStep, a[c]);
+        }
+        for (; d < dim; ++d)
+          for (int64_t i = 0; i < len; ++i) o[d] += p[i] * static_cast<float>(v[i * row_elems + d]);
+      }
+  }
 }
 
 // Sequences [begin, end): each reads its blocks' K (then V) chunks front to back, every row
 // whole (all kv heads), so the memory is streamed; `heads` query heads, `group` per kv head.
+// Scores go kStep positions at a time (dots) where head_dim is a multiple of kStep.
 template <typename P, typename T>
 void decode_seqs(float* out, const float* q, const T* chunks, const int64_t* table,
                  const int64_t* rows, const int64_t* ctx_lens, int64_t begin, int64_t end,
@@ -79,54 +111,55 @@ void decode_seqs(float* out, const float* q, const T* chunks, const int64_t* tab
   const int64_t heads = kv_heads * group;
   const int64_t row_elems = kv_heads * dim;  // one position's K (or V) in a chunk
   const int64_t chunk_elems = bs * row_elems;
+  const bool wide = dim % P::kStep == 0;
+  const auto sv = P::set1(scale);
   std::vector<float> scores;  // [heads, n]
   std::vector<float> acc(heads * dim);
-  std::vector<float> denom(heads);
   for (int64_t b = begin; b < end; ++b) {
     const int64_t n = ctx_lens[b];
     const int64_t* blocks = table + b * max_blocks;
     const float* qb = q + rows[b] * heads * dim;
     scores.resize(heads * n);
+    for (int64_t j = 0; j < kAhead && j * bs < n; ++j)
+      prefetch(chunks + (blocks[j] + 2 * layer) * chunk_elems, chunk_elems * sizeof(T));
     // Scores: s[h, t] = scale * <q_h, k_t of h's kv head>.
-    for (int64_t t0 = 0; t0 < n; t0 += bs) {
-      const T* kc = chunks + (blocks[t0 / bs] + 2 * layer) * chunk_elems;
+    for (int64_t t0 = 0, j = 0; t0 < n; t0 += bs, ++j) {
+      if (t0 + kAhead * bs < n)
+        prefetch(chunks + (blocks[j + kAhead] + 2 * layer) * chunk_elems, chunk_elems * sizeof(T));
+      const T* kc = chunks + (blocks[j] + 2 * layer) * chunk_elems;
       const int64_t len = std::min(bs, n - t0);
-      for (int64_t i = 0; i < len; ++i) {
-        const T* k = kc + i * row_elems;
-        for (int64_t kh = 0, h = 0; kh < kv_heads; ++kh)
-          for (int64_t g = 0; g < group; ++g, ++h)
-            scores[h * n + t0 + i] = dot<P>(qb + h * dim, k + kh * dim, dim) * scale;
-      }
+      for (int64_t kh = 0, h = 0; kh < kv_heads; ++kh)
+        for (int64_t g = 0; g < group; ++g, ++h) {
+          const float* qh = qb + h * dim;
+          float* sh = scores.data() + h * n + t0;
+          const T* k = kc + kh * dim;
+          int64_t i = 0;
+          if (wide)
+            for (; i + P::kStep <= len; i += P::kStep)
+              P::storef(sh + i, P::template madd<float>(
+                                    P::zero(), sv, dots<P>(qh, k + i * row_elems, row_elems, dim)));
+          for (; i < len; ++i) sh[i] = dot<P>(qh, k + i * row_elems, dim) * scale;
+        }
     }
-    // Softmax per query head.
-    for (int64_t h = 0; h < heads; ++h) {
+    // The V chunks of the first blocks are asked for while the softmax runs.
+    for (int64_t j = 0; j < kAhead && j * bs < n; ++j)
+      prefetch(chunks + (blocks[j] + 2 * layer + 1) * chunk_elems, chunk_elems * sizeof(T));
+    for (int64_t h = 0; h < heads; ++h) {  // softmax per query head, unnormalized
       float* s = scores.data() + h * n;
       float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
       for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
 #pragma omp simd
       for (int64_t t = 0; t < n; ++t) s[t] = exp_nonpos(s[t] - m);
-      float sum = 0.f;
-      for (int64_t t = 0; t < n; ++t) sum += s[t];
-      denom[h] = sum;
     }
-    // Weighted sum of V rows.
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t t0 = 0; t0 < n; t0 += bs) {
-      const T* vc = chunks + (blocks[t0 / bs] + 2 * layer + 1) * chunk_elems;
-      const int64_t len = std::min(bs, n - t0);
-      for (int64_t i = 0; i < len; ++i) {
-        const T* v = vc + i * row_elems;
-        for (int64_t kh = 0, h = 0; kh < kv_heads; ++kh) {
-          const T* vh = v + kh * dim;
-          for (int64_t g = 0; g < group; ++g, ++h) {
-            axpy<P>(scores[h * n + t0 + i], vh, acc.data() + h * dim, dim);
-          }
-        }
-      }
-    }
+    weighted_sums<P, T>(scores.data(), chunks, blocks, 2 * layer + 1, n, bs, kv_heads, group,
+                        dim, acc.data());
     float* o = out + rows[b] * heads * dim;
     for (int64_t h = 0; h < heads; ++h) {
-      const float inv = 1.f / denom[h];
+      const float* s = scores.data() + h * n;
+      float sum = 0.f;
+      for (int64_t t = 0; t < n; ++t) sum += s[t];
+      const float inv = 1.f / sum;
       for (int64_t d = 0; d < dim; ++d) o[h * dim + d] = acc[h * dim + d] * inv;
     }
   }
@@ -183,4 +216,33 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor chunks, torc
                                kv_heads, group, dim, s);
     });
   });
+}
+
+// Writes one step's K and V at their cache slots: rows[slots[i] + offset] = k[i] and
+// rows[slots[i] + offset + bs] = v[i] (the V chunk follows the K chunk by bs rows). rows: the
+// cache as [N, KV * D]; k, v: [T, KV * D] of the cache's dtype, unit column stride (any row
+// stride: views of the fused q|k|v matmul output do); slots: int64 [T]. One call per layer
+// instead of four torch ops (two cats, an add, an index_copy_).
+void write_kv(torch::Tensor rows, torch::Tensor slots, int64_t offset, int64_t bs,
+              torch::Tensor k, torch::Tensor v) {
+  TORCH_CHECK(rows.scalar_type() == k.scalar_type() && rows.scalar_type() == v.scalar_type(),
+              "write_kv: k and v must have the cache's dtype");
+  TORCH_CHECK(rows.is_contiguous() && slots.is_contiguous() && slots.scalar_type() == torch::kLong,
+              "write_kv: contiguous cache and int64 slots");
+  const int64_t t = slots.size(0), width = rows.size(1), n = rows.size(0);
+  TORCH_CHECK(k.dim() == 2 && v.dim() == 2 && k.size(0) == t && v.size(0) == t &&
+                  k.size(1) == width && v.size(1) == width && k.stride(1) == 1 &&
+                  v.stride(1) == 1,
+              "write_kv: k and v must be [T, KV * D] with unit column stride");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t item = rows.element_size(), bytes = width * item;
+  auto* dst = static_cast<char*>(rows.data_ptr());
+  const auto* ks = static_cast<const char*>(k.data_ptr());
+  const auto* vs = static_cast<const char*>(v.data_ptr());
+  for (int64_t i = 0; i < t; ++i) {
+    const int64_t r = sl[i] + offset;
+    TORCH_CHECK(r >= 0 && r + bs < n, "write_kv: slot out of range");
+    std::memcpy(dst + r * bytes, ks + i * k.stride(0) * item, bytes);
+    std::memcpy(dst + (r + bs) * bytes, vs + i * v.stride(0) * item, bytes);
+  }
 }

@@ -1,11 +1,17 @@
 // One "path" type per instruction set (see isa.h), shared by the kernels: V is the float32
 // accumulator vector, In<T> what one load of kStep values of T becomes (bf16 widened to fp32
 // by a 16-bit shift, except on Avx512Bf16 where vdpbf16ps takes bf16 pairs as they are).
-// load(p) reads kStep values, madd(acc, a, b) = acc + a * b, hsum sums the lanes; set1, loadf
-// and storef (float32 vectors) serve the attention kernel's weighted sums.
+// load(p) reads kStep values, madd(acc, a, b) = acc + a * b, hsum sums the lanes, hsums(v)
+// sums each of kStep vectors into one lane of the result; set1, loadf, storef, max, hmax,
+// add, sub, mul and exp (exp_nonpos lane by lane) on float32 vectors serve the attention kernels.
 #pragma once
 
 #include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #include "isa.h"
 
@@ -16,6 +22,26 @@
 namespace simd {
 
 using bf16 = c10::BFloat16;
+
+// exp(x) for x <= 0 (softmax after subtracting the max), vectorizable: x = k ln2 + r with
+// |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7 there), 2^k put
+// into the exponent bits. Below -87 the result is 0 (e^-87 is under float's normal range).
+inline float exp_nonpos(float x) {
+  x = std::max(x, -87.f);
+  const float k = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - k * 0.693145751953125f - k * 1.428606765330187e-06f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
 
 struct Scalar {
   using V = float;
@@ -31,9 +57,26 @@ struct Scalar {
   template <typename T>
   static V madd(V acc, In<T> a, In<T> b) { return acc + a * b; }
   static float hsum(V v) { return v; }
+  static V hsums(const V* v) { return v[0]; }
+  static V max(V a, V b) { return std::max(a, b); }
+  static float hmax(V v) { return v; }
+  static V add(V a, V b) { return a + b; }
+  static V sub(V a, V b) { return a - b; }
+  static V mul(V a, V b) { return a * b; }
+  static V exp(V x) { return exp_nonpos(x); }
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
+// Lane i of the result = the sum of v[i]'s 8 lanes (8 horizontal sums for the price of ~2).
+inline __m256 hsums8(const __m256* v) {
+  const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 lo4 = _mm256_hadd_ps(s01, s23), hi4 = _mm256_hadd_ps(s45, s67);
+  // lo4 = [v0..v3 sums of lanes 0-3 | v0..v3 sums of lanes 4-7], hi4 the same for v4..v7.
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo4, hi4, 0x20),
+                       _mm256_permute2f128_ps(lo4, hi4, 0x31));
+}
+
 struct Avx2 {
   using V = __m256;
   template <typename T>
@@ -56,6 +99,30 @@ struct Avx2 {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  static V hsums(const V* v) { return hsums8(v); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static float hmax(V v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+  }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V exp(V x) {  // exp_nonpos, 8 lanes
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    for (const float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+      p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  }
 };
 #endif
 
@@ -77,6 +144,32 @@ struct Avx512 {
   template <typename T>
   static V madd(V acc, In<T> a, In<T> b) { return _mm512_fmadd_ps(a, b, acc); }
   static float hsum(V v) { return _mm512_reduce_add_ps(v); }
+  static V hsums(const V* v) {  // each vector's halves added, then two hsums8
+    __m256 h[16];
+    for (int i = 0; i < 16; ++i)
+      h[i] = _mm256_add_ps(_mm512_castps512_ps256(v[i]),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[i]), 1)));
+    const __m512d lo = _mm512_castps_pd(_mm512_castps256_ps512(hsums8(h)));
+    return _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(hsums8(h + 8)), 1));
+  }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static float hmax(V v) { return _mm512_reduce_max_ps(v); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V exp(V x) {  // exp_nonpos, 16 lanes
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    for (const float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+      p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    const __m512i e = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  }
 };
 #endif
 
