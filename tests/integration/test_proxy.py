@@ -409,6 +409,8 @@ def test_push_makes_fresh_ids_per_request_even_when_the_client_reuses_one(
     assert len(labels) == 2  # no client id: a fresh label each
     transfer_ids = {leg.body["kv_transfer_params"]["transfer_id"] for leg in d.legs}
     assert len(transfer_ids) == 5
+    # P's legs run beside D's: one may reach the fake P after D has answered.
+    wait_until(lambda: len(p.legs) == 5, what="five prefill legs")
     engine_ids = {leg.headers["x-request-id"] for leg in p.legs}
     assert engine_ids == {leg.headers["x-request-id"] for leg in d.legs}
     assert len(engine_ids) == 5 and not engine_ids & (labels | echoed)
@@ -781,6 +783,7 @@ def test_api_key_is_required_and_passed_to_backends(cluster: Cluster) -> None:
     assert proxy.client.get(proxy.url + "/health", timeout=5).status_code == 200
     resp = post(proxy, BODY, headers={"Authorization": "Bearer sekret"})
     assert resp.status_code == 200
+    wait_until(lambda: len(p.legs) == 1, what="the prefill leg")  # push: beside D's leg
     assert p.legs[0].headers["authorization"] == d.legs[0].headers["authorization"] \
         == "Bearer sekret"
     assert '{route="/v1/completions",status="401"} 2.0' in proxy.metrics()
