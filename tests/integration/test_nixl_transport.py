@@ -446,17 +446,23 @@ def test_dead_peer_fails_in_flight_and_new_transfers_instead_of_hanging(hosts) -
         d.close()
 
 
-def test_bench_transfer_reports_design_keys_and_moves_the_right_bytes(tmp_path) -> None:
+def _bench_config(tmp_path) -> str:
+    """A model dir with just the config bench_transfer reads: 2 layers, 2 KV heads of 16."""
     import json
-
-    from kvconnector import bench_transfer
 
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(
         {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "hidden_size": 64}))
-    result = bench_transfer.run(str(model), num_tokens=100, block_size=16, iters=2, warmup=1,
+    return str(model)
+
+
+def test_bench_transfer_reports_design_keys_and_moves_the_right_bytes(tmp_path) -> None:
+    from kvconnector import bench_transfer
+
+    model = _bench_config(tmp_path)
+    result = bench_transfer.run(model, num_tokens=100, block_size=16, iters=2, warmup=1,
                                 layout="scattered")
     assert {"bytes", "descriptors", "gbps", "memcpy_gbps", "ratio"} <= set(result)
     assert result["bytes"] == 7 * 2 * 2 * 16 * 2 * 16 * 4  # ceil(100/16) blocks
@@ -468,16 +474,10 @@ def test_bench_transfer_reports_design_keys_and_moves_the_right_bytes(tmp_path) 
 def test_bench_transfer_split_heads_writes_half_the_heads_as_runs(tmp_path) -> None:
     """P holds KV head 0 of 2 (a TP=2 rank) and writes it into D's blocks holding both: one
     descriptor per (block, layer, K/V, token), landing in head 0 of D's blocks only."""
-    import json
-
     from kvconnector import bench_transfer
 
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(
-        {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "hidden_size": 64}))
-    result = bench_transfer.run(str(model), num_tokens=100, block_size=16, iters=2, warmup=1,
+    model = _bench_config(tmp_path)
+    result = bench_transfer.run(model, num_tokens=100, block_size=16, iters=2, warmup=1,
                                 layout="scattered", split_heads=True)
     assert result["bytes"] == 7 * 2 * 2 * 16 * 1 * 16 * 4  # one of the 2 heads
     assert result["descriptors"] == 7 * 2 * 2 * 16 and result["whole_descriptors"] == 7
