@@ -31,6 +31,7 @@ from typing import Any
 
 import zmq
 
+from engine import stackdump
 from engine.config import EngineConfig
 from engine.core.busy_loop import InputKind
 from engine.core.engine_core import EngineCore
@@ -242,6 +243,7 @@ def run_engine_core(config: dict[str, Any], engine_index: int, handshake_address
                     parent_pid: int, log_level: int = logging.INFO) -> None:
     """Entry point of the spawned core process. Never returns; exits with a code above."""
     _setup_logging(log_level, engine_index)
+    stackdump.install()
     threading.current_thread().name = f"EngineCore_{engine_index}"
     threading.Thread(target=_watch_parent, args=(parent_pid, engine_index),
                      name=f"EngineCoreParentWatch_{engine_index}", daemon=True).start()

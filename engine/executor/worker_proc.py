@@ -26,6 +26,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from engine import stackdump
 from engine.config import EngineConfig
 from engine.executor import messages as m
 from engine.executor.shm_broadcast import RingGone, RingHandle, ShmReader, ShmWriter
@@ -114,6 +115,7 @@ def worker_main(config: dict[str, Any], rank: int, tp_size: int, dist_port: int,
                         format=f"%(asctime)s %(levelname)s [TPWorker_{rank} pid=%(process)d] "
                                "%(name)s: %(message)s")
     threading.current_thread().name = f"TPWorker_{rank}"
+    stackdump.install()
     # Ctrl-C reaches the whole process group: the EngineCore drains, and its workers must
     # keep serving until it says `shutdown` (or is gone), so they ignore SIGINT / SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -24,6 +24,7 @@ from typing import Any
 
 import uvloop
 
+from engine import stackdump
 from engine.config import EngineConfig
 from engine.dp.config import local_ranks, rank_config
 from engine.server.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
@@ -211,6 +212,7 @@ def serve_main(args: argparse.Namespace, *, role_defaults: Mapping[str, Any] | N
     """Entry point of `pdserve serve` (and of the P/D roles). Returns the exit status."""
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stackdump.install()
     try:
         config = config_from_args(args, role_defaults)
         from engine.models import load_arch

@@ -65,15 +65,27 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
+        self.dump_stacks()
         self.stop()
         raise TimeoutError(f"server on port {self.port} not healthy after {timeout}s"
-                           f"{self._tail()}")
+                           f"{self._tail(16000)}")
 
-    def _tail(self) -> str:
+    def dump_stacks(self, settle: float = 1.0) -> None:
+        """Every process of the server's tree writes its threads' Python stacks into the log
+        (SIGUSR1, engine/stackdump.py): where a hung start-up stands."""
+        procs = [self.pid, *(p.pid for p in self.descendants())]
+        for pid in procs:
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(settle)  # faulthandler writes from the signal handler: no state to wait on
+
+    def _tail(self, size: int = 4000) -> str:
         if not self.log_path:
             return ""
         with open(self.log_path, "rb") as f:
-            return "\n" + f.read()[-4000:].decode(errors="replace")
+            return "\n" + f.read()[-size:].decode(errors="replace")
 
     def descendants(self) -> list[psutil.Process]:
         try:
