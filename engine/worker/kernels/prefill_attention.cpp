@@ -214,10 +214,16 @@ void query_block(const typename Tiles::E* q, int64_t rows, int64_t group, int64_
       return std::min(nk, first_pos + (r + n - 1) / group - k0 + 1);
     };
     auto qk = [&](auto n, int64_t r) {
-      const int64_t cols = seen(r, decltype(n)::value);
-      for (int64_t c = 0; c < cols; c += kw)
-        Tiles::template qk<decltype(n)::value, C>(q + r * dim, dim, ktile, c, s + r * kBlockK,
-                                                  kBlockK);
+      constexpr int N = decltype(n)::value;
+      const int64_t cols = seen(r, N);
+      int64_t c = 0;
+      for (; c + kw <= cols; c += kw)
+        Tiles::template qk<N, C>(q + r * dim, dim, ktile, c, s + r * kBlockK, kBlockK);
+      // The diagonal tile's last columns: only the vectors of keys these rows see.
+      with_rows<C>((cols - c + P::kStep - 1) / P::kStep, [&](auto vecs) {
+        Tiles::template qk<N, decltype(vecs)::value>(q + r * dim, dim, ktile, c,
+                                                     s + r * kBlockK, kBlockK);
+      });
     };
     int64_t r = 0;
     for (; r + R <= rows; r += R) qk(std::integral_constant<int, R>{}, r);
@@ -235,18 +241,26 @@ void query_block(const typename Tiles::E* q, int64_t rows, int64_t group, int64_
         continue;
       }
       const int64_t cols = (valid + P::kStep - 1) / P::kStep * P::kStep;
-      const auto sv = P::set1(scale);  // scores scaled here, after Q K^T (as torch's SDPA)
-      for (int64_t j = 0; j < cols; j += P::kStep) P::storef(sr + j, P::mul(P::loadf(sr + j), sv));
       std::fill(sr + valid, sr + cols, -std::numeric_limits<float>::infinity());
+      // Two passes, as torch's SDPA fuses them: scale (after Q K^T) and the running max, then
+      // the exp and its sum. Keys past the row's position: -inf, then e^-87 (~1e-38, nothing
+      // to a sum that holds e^0 = 1 or what earlier tiles gave), then 0 for P V.
+      const auto sv = P::set1(scale);
       auto mv = P::set1(m[r]);
-      for (int64_t j = 0; j < cols; j += P::kStep) mv = P::max(mv, P::loadf(sr + j));
+      for (int64_t j = 0; j < cols; j += P::kStep) {
+        const auto x = P::mul(P::loadf(sr + j), sv);
+        P::storef(sr + j, x);
+        mv = P::max(mv, x);
+      }
       const float mx = P::hmax(mv);
       const auto mxv = P::set1(mx);
-      for (int64_t j = 0; j < cols; j += P::kStep)
-        P::storef(sr + j, P::exp(P::sub(P::loadf(sr + j), mxv)));
-      std::fill(sr + valid, sr + kBlockK, 0.f);
       auto sum = P::zero();
-      for (int64_t j = 0; j < cols; j += P::kStep) sum = P::add(sum, P::loadf(sr + j));
+      for (int64_t j = 0; j < cols; j += P::kStep) {
+        const auto e = P::exp(P::sub(P::loadf(sr + j), mxv));
+        P::storef(sr + j, e);
+        sum = P::add(sum, e);
+      }
+      std::fill(sr + valid, sr + kBlockK, 0.f);
       if constexpr (Tiles::kBf16Weights) {
         for (int64_t j = 0; j < kBlockK; ++j) pb[r * kBlockK + j] = static_cast<bf16>(sr[j]);
       } else if (round_p) {  // bf16 inputs: P rounded to bf16 before P V, as torch's SDPA does
