@@ -22,9 +22,10 @@ Engine (the real EngineCore in this process, torch.set_num_threads(t), prefix ca
       decode bytes = e * (P + V*hidden) + e * 2*L*KV*D*c
   with e the dtype's bytes per element and c the step's mean context length. Reported as
   GB/s and as a fraction of the streaming-read bandwidth at the same thread count.
-- practical prefill bound (fp32): torch's F.linear (the BLAS sgemm the prefill runs) timed on
-  this model's own four per-layer matmul shapes at --prefill-tokens rows, best of --repeats
-  each; sgemm GFLOP/s = their FLOPs / their summed times, and prefill_fma_bound = that / the
+- practical prefill bound (fp32): the sgemm the prefill runs (engine/models/linear.py
+  large_linear: oneDNN's matmul) timed on this model's own four per-layer matmul shapes at
+  --prefill-tokens rows, best of --repeats each, beside torch's F.linear (MKL) on the same
+  shapes; sgemm GFLOP/s = their FLOPs / their summed times, and prefill_fma_bound = that / the
   FMA peak: the fraction a prefill would reach if every FLOP (attention included) ran at the
   sgemm's rate and nothing else (norms, rope, activations, KV writes) took any time.
 - bf16: the same prefill and decode with --dtype bfloat16 (null where the CPU has no bf16 dot
@@ -85,21 +86,25 @@ def prefill_linear_shapes(model: str) -> list[tuple[int, int]]:
             (2 * a.intermediate_size, a.hidden_size), (a.hidden_size, a.intermediate_size)]
 
 
-def sgemm_gflops(shapes: list[tuple[int, int]], tokens: int, repeats: int) -> float:
-    """torch's F.linear (the BLAS sgemm the engine's prefill calls) on [tokens, in] x [out, in]^T
-    for each shape, best of `repeats` each: GFLOP/s over all of them together, in float32."""
+def sgemm_gflops(shapes: list[tuple[int, int]], tokens: int, repeats: int,
+                 gemm: Any = None) -> float:
+    """`gemm` (default: large_linear, the sgemm the engine's prefill calls) on [tokens, in] x
+    [out, in]^T for each shape, best of `repeats` each: GFLOP/s over all of them together, in
+    float32."""
     import torch
-    import torch.nn.functional as F
 
+    from engine.models.linear import large_linear
+
+    gemm = gemm or large_linear
     flop = seconds = 0.0
     gen = torch.Generator().manual_seed(0)
     for out_f, in_f in shapes:
         x, w = torch.randn(tokens, in_f, generator=gen), torch.randn(out_f, in_f, generator=gen)
-        F.linear(x, w)  # warm
+        gemm(x, w)  # warm
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            F.linear(x, w)
+            gemm(x, w)
             best = min(best, time.perf_counter() - start)
         flop, seconds = flop + 2.0 * tokens * out_f * in_f, seconds + best
     return flop / seconds / 1e9
@@ -156,11 +161,16 @@ def _engine_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> di
                                                  5 + args.decode_steps, i)])[5:]
                 steps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
                 decode = min(decode, sorted(steps)[len(steps) // 2])  # a run's median step
-            sgemm = sgemm_gflops(prefill_linear_shapes(args.model), args.prefill_tokens,
-                                 args.repeats) if dtype == "float32" else None
+            shapes = prefill_linear_shapes(args.model)
+            sgemm = mkl = None
+            if dtype == "float32":
+                sgemm = sgemm_gflops(shapes, args.prefill_tokens, args.repeats)
+                mkl = sgemm_gflops(shapes, args.prefill_tokens, args.repeats,
+                                   torch.nn.functional.linear)
             breakdowns = [_prefill_breakdown(client, vocab, args.prefill_tokens, f"b{t}-{i}")
                           for i in range(max(1, args.repeats // 2))]
             out[t] = {"prefill_s": prefill, "decode_step_s": decode, "sgemm_gflops": sgemm,
+                      "mkl_sgemm_gflops": mkl,
                       **min(breakdowns, key=lambda b: b["breakdown_prefill_s"])}
     finally:
         client.shutdown()
@@ -208,6 +218,7 @@ def _engine_table(args: argparse.Namespace, dtype: str, runs: dict[int, dict],
             # The practical bound: every prefill FLOP at the BLAS sgemm's rate on this model's
             # own matmul shapes, and nothing else taking any time.
             table[t]["sgemm_gflops"] = round(r["sgemm_gflops"], 2)
+            table[t]["mkl_sgemm_gflops"] = round(r["mkl_sgemm_gflops"], 2)
             table[t]["prefill_fma_bound"] = round(r["sgemm_gflops"] / lim["fma_gflops"], 3)
         if lim["bf16_dot_gflops"]:
             table[t]["prefill_bf16_dot_fraction"] = round(gflops / lim["bf16_dot_gflops"], 3)

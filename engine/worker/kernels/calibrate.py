@@ -1,10 +1,12 @@
-"""Measured dispatch threshold of the skinny_linear kernel: up to how many rows it beats F.linear.
+"""Measured dispatch threshold of the skinny_linear kernel: up to how many rows it beats the gemm
+`linear` uses beyond it (engine/models/linear.py `large_linear`: oneDNN for float32, F.linear
+for bf16).
 
 The crossover depends on the CPU (vector width, bf16 dot instructions, cache sizes), on the
 kernel's path (PDSERVE_ISA), on the dtype and on the thread count, so it is measured, not
 fixed: at the first use for a (dtype, threads, path) on this machine, one weight of
 CALIBRATION_SHAPE (larger than a core's L2, as the model's weights are) is multiplied by
-1, 2, 4, ... 128 random rows, kernel and F.linear alternating, best of REPEATS each; the
+1, 2, 4, ... 128 random rows, kernel and that gemm alternating, best of REPEATS each; the
 threshold is the largest row count at which the kernel is not slower, 0 if it never wins.
 The result (well under a second to measure) is stored beside the kernels' shared object
 (`<name>.thresholds.json`, keyed "dtype:threads:path"), so each machine measures once;
@@ -22,7 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
@@ -62,24 +63,27 @@ def _seconds(fn, x: torch.Tensor, w: torch.Tensor) -> float:
 
 
 def measure(kernel, dtype: torch.dtype) -> int:
-    """Largest row count in ROWS where kernel.skinny_linear is not slower than F.linear."""
+    """Largest row count in ROWS where kernel.skinny_linear is not slower than the gemm."""
+    from engine.models.linear import large_linear
+
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(*CALIBRATION_SHAPE, generator=gen).to(dtype)
     best = 0
     for m in ROWS:
         x = torch.randn(m, w.shape[1], generator=gen).to(dtype)
-        kernel.skinny_linear(x, w), F.linear(x, w)  # warm both
+        kernel.skinny_linear(x, w), large_linear(x, w)  # warm both
         k = t = float("inf")
         for _ in range(REPEATS):
             k = min(k, _seconds(kernel.skinny_linear, x, w))
-            t = min(t, _seconds(F.linear, x, w))
+            t = min(t, _seconds(large_linear, x, w))
         if k <= t:
             best = m
     return best
 
 
 def _key(dtype: torch.dtype, threads: int, isa: str) -> str:
-    return f"{str(dtype).removeprefix('torch.')}:{threads}:{isa}"
+    # ":gemm2": measured against large_linear (keys without it were against F.linear)
+    return f"{str(dtype).removeprefix('torch.')}:{threads}:{isa}:gemm2"
 
 
 @functools.cache
