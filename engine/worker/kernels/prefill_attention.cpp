@@ -56,9 +56,9 @@ struct Blocking<Avx2> {
 };
 #endif
 
-// s[r, c*kStep ..] = sum_d q[r, d] * kt[d, c*kStep ..] for R rows and C vectors of keys.
+// s[r, c*kStep ..] = sum_d q[r][d] * kt[d, c*kStep ..] for R rows and C vectors of keys.
 template <typename P, int R, int C>
-inline void qk_tile(const float* q, int64_t dim, const float* kt, int64_t ldk, float* s,
+inline void qk_tile(const float* const* q, int64_t dim, const float* kt, int64_t ldk, float* s,
                     int64_t lds) {
   typename P::V acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -67,7 +67,7 @@ inline void qk_tile(const float* q, int64_t dim, const float* kt, int64_t ldk, f
     typename P::V k[C];
     for (int c = 0; c < C; ++c) k[c] = P::loadf(kt + d * ldk + c * P::kStep);
     for (int r = 0; r < R; ++r) {
-      const auto qv = P::set1(q[r * dim + d]);
+      const auto qv = P::set1(q[r][d]);
       for (int c = 0; c < C; ++c) acc[r][c] = P::template madd<float>(acc[r][c], qv, k[c]);
     }
   }
@@ -75,15 +75,15 @@ inline void qk_tile(const float* q, int64_t dim, const float* kt, int64_t ldk, f
     for (int c = 0; c < C; ++c) P::storef(s + r * lds + c * P::kStep, acc[r][c]);
 }
 
-// o[r, c*kStep ..] = alpha[r] * o[r, ..] + sum_j p[r, j] * v[j, c*kStep ..] over n keys.
+// o[r][d + c*kStep ..] = alpha[r] * o[r][..] + sum_j p[r, j] * v[j, c*kStep ..] over n keys.
 template <typename P, int R, int C>
 inline void pv_tile(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t n,
-                    const float* alpha, float* o, int64_t ldo) {
+                    const float* alpha, float* const* o, int64_t d) {
   typename P::V acc[R][C];
   for (int r = 0; r < R; ++r) {
     const auto a = P::set1(alpha[r]);
     for (int c = 0; c < C; ++c)
-      acc[r][c] = P::template madd<float>(P::zero(), a, P::loadf(o + r * ldo + c * P::kStep));
+      acc[r][c] = P::template madd<float>(P::zero(), a, P::loadf(o[r] + d + c * P::kStep));
   }
   for (int64_t j = 0; j < n; ++j) {
     typename P::V x[C];
@@ -94,31 +94,38 @@ inline void pv_tile(const float* p, int64_t ldp, const float* v, int64_t ldv, in
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) P::storef(o + r * ldo + c * P::kStep, acc[r][c]);
+    for (int c = 0; c < C; ++c) P::storef(o[r] + d + c * P::kStep, acc[r][c]);
 }
 
-// Operand layouts, packed once per call. FloatTiles (every path): q rows [rows, dim], K by
-// tiles [dim][kBlockK] (keys along the vectors), V [keys][dim], all float32, products by FMA.
+// Operand layouts. FloatTiles (every path): q rows of dim values, K by tiles [dim][kBlockK]
+// (keys along the vectors), V [keys] rows of dim values (ldv apart), all float32, products by
+// FMA. float32 inputs are read where they lie (q, V) and written where they go (O); only K is
+// packed. Other input dtypes are converted: q per query block, V once per call.
 template <typename P>
 struct FloatTiles {
   using E = float;
   static constexpr bool kBf16Weights = false;  // P V takes the softmax weights as float32
+  // Keys jj .. jj + n - 1 of a tile (n <= 16, rows ldk apart), d-major: each pass over d
+  // reads the same n rows (in L1) and writes n consecutive values.
   template <typename T>
-  static void pack_k(E* tile, int64_t jj, const T* kr, int64_t dim) {  // key jj of a tile
-    for (int64_t d = 0; d < dim; ++d) tile[d * kBlockK + jj] = static_cast<float>(kr[d]);
+  static void pack_k(E* tile, int64_t jj, const T* kr, int64_t ldk, int64_t n, int64_t dim) {
+    for (int64_t d = 0; d < dim; ++d)
+      for (int64_t i = 0; i < n; ++i)
+        tile[d * kBlockK + jj + i] = static_cast<float>(kr[i * ldk + d]);
   }
   template <typename T>
   static void pack_v(E* vh, int64_t j, const T* vr, int64_t dim) {
     for (int64_t d = 0; d < dim; ++d) vh[j * dim + d] = static_cast<float>(vr[d]);
   }
   template <int R, int C>
-  static void qk(const E* q, int64_t dim, const E* ktile, int64_t c0, float* s, int64_t lds) {
+  static void qk(const E* const* q, int64_t dim, const E* ktile, int64_t c0, float* s,
+                 int64_t lds) {
     qk_tile<P, R, C>(q, dim, ktile + c0, kBlockK, s + c0, lds);
   }
   template <int R, int C>
-  static void pv(const float* p, const bf16*, int64_t ldp, const E* vh, int64_t k0, int64_t d,
-                 int64_t dim, int64_t n, const float* alpha, float* o, int64_t ldo) {
-    pv_tile<P, R, C>(p, ldp, vh + k0 * dim + d, dim, n, alpha, o + d, ldo);
+  static void pv(const float* p, const bf16*, int64_t ldp, const E* v, int64_t ldv, int64_t k0,
+                 int64_t d, int64_t n, const float* alpha, float* const* o) {
+    pv_tile<P, R, C>(p, ldp, v + k0 * ldv + d, ldv, n, alpha, o, d);
   }
 };
 
@@ -136,15 +143,18 @@ struct Bf16Tiles {
     return (__m512bh)_mm512_set1_epi32(bits);
   }
   template <typename T>
-  static void pack_k(E* tile, int64_t jj, const T* kr, int64_t dim) {
-    for (int64_t d = 0; d < dim; ++d) tile[((d / 2) * kBlockK + jj) * 2 + d % 2] = kr[d];
+  static void pack_k(E* tile, int64_t jj, const T* kr, int64_t ldk, int64_t n, int64_t dim) {
+    for (int64_t d = 0; d < dim; ++d)
+      for (int64_t i = 0; i < n; ++i)
+        tile[((d / 2) * kBlockK + jj + i) * 2 + d % 2] = kr[i * ldk + d];
   }
   template <typename T>
   static void pack_v(E* vh, int64_t j, const T* vr, int64_t dim) {
     for (int64_t d = 0; d < dim; ++d) vh[((j / 2) * dim + d) * 2 + j % 2] = vr[d];
   }
   template <int R, int C>
-  static void qk(const E* q, int64_t dim, const E* ktile, int64_t c0, float* s, int64_t lds) {
+  static void qk(const E* const* q, int64_t dim, const E* ktile, int64_t c0, float* s,
+                 int64_t lds) {
     __m512 acc[R][C];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -153,7 +163,7 @@ struct Bf16Tiles {
       for (int c = 0; c < C; ++c)
         k[c] = (__m512bh)_mm512_loadu_si512(ktile + (i * kBlockK + c0 + c * 16) * 2);
       for (int r = 0; r < R; ++r) {
-        const __m512bh qv = pair(q + r * dim + 2 * i);
+        const __m512bh qv = pair(q[r] + 2 * i);
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qv, k[c]);
       }
     }
@@ -161,13 +171,12 @@ struct Bf16Tiles {
       for (int c = 0; c < C; ++c) _mm512_storeu_ps(s + r * lds + c0 + c * 16, acc[r][c]);
   }
   template <int R, int C>
-  static void pv(const float*, const bf16* p, int64_t ldp, const E* vh, int64_t k0, int64_t d,
-                 int64_t dim, int64_t n, const float* alpha, float* o, int64_t ldo) {
+  static void pv(const float*, const bf16* p, int64_t ldp, const E* vh, int64_t dim, int64_t k0,
+                 int64_t d, int64_t n, const float* alpha, float* const* o) {  // dim: V's ld
     __m512 acc[R][C];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c)
-        acc[r][c] = _mm512_mul_ps(_mm512_set1_ps(alpha[r]),
-                                  _mm512_loadu_ps(o + r * ldo + d + c * 16));
+        acc[r][c] = _mm512_mul_ps(_mm512_set1_ps(alpha[r]), _mm512_loadu_ps(o[r] + d + c * 16));
     for (int64_t j = 0; j < n; j += 2) {  // past n: weight 0 (and zero-padded V)
       __m512bh x[C];
       for (int c = 0; c < C; ++c)
@@ -178,7 +187,7 @@ struct Bf16Tiles {
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + r * ldo + d + c * 16, acc[r][c]);
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(o[r] + d + c * 16, acc[r][c]);
   }
 };
 #endif
@@ -193,16 +202,17 @@ inline void with_rows(int64_t n, F&& f) {
   }
 }
 
-// One query block of one kv head: q rows packed [rows, dim], kt the kv head's K tiles, v its
-// V, in the layouts of Tiles; s the score tile (float32), pb its bf16 copy (Bf16Tiles only).
+// One query block of one kv head: q[r] its rows' queries, o[r] where their outputs go (dim
+// float32 values each), kt the kv head's K tiles, v its V (rows ldv apart), in the layouts of
+// Tiles; s the score tile (float32), pb its bf16 copy (Bf16Tiles only).
 template <typename P, typename Tiles>
-void query_block(const typename Tiles::E* q, int64_t rows, int64_t group, int64_t first_pos,
-                 int64_t dim, const typename Tiles::E* kt, const typename Tiles::E* v,
-                 float scale, float* s, bf16* pb, float* o, float* m, float* l, float* alpha,
-                 bool round_p) {
+void query_block(const typename Tiles::E* const* q, int64_t rows, int64_t group,
+                 int64_t first_pos, int64_t dim, const typename Tiles::E* kt,
+                 const typename Tiles::E* v, int64_t ldv, float scale, float* s, bf16* pb,
+                 float* const* o, float* m, float* l, float* alpha, bool round_p) {
   constexpr int R = Blocking<P>::R, C = Blocking<P>::C;
   constexpr int64_t kw = C * P::kStep;  // keys (QK) or head_dim values (PV) per tile column
-  std::fill(o, o + rows * dim, 0.f);
+  for (int64_t r = 0; r < rows; ++r) std::fill(o[r], o[r] + dim, 0.f);
   std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
   std::fill(l, l + rows, 0.f);
   const int64_t keys = first_pos + (rows - 1) / group + 1;  // the last row's position + 1
@@ -218,11 +228,11 @@ void query_block(const typename Tiles::E* q, int64_t rows, int64_t group, int64_
       const int64_t cols = seen(r, N);
       int64_t c = 0;
       for (; c + kw <= cols; c += kw)
-        Tiles::template qk<N, C>(q + r * dim, dim, ktile, c, s + r * kBlockK, kBlockK);
+        Tiles::template qk<N, C>(q + r, dim, ktile, c, s + r * kBlockK, kBlockK);
       // The diagonal tile's last columns: only the vectors of keys these rows see.
       with_rows<C>((cols - c + P::kStep - 1) / P::kStep, [&](auto vecs) {
-        Tiles::template qk<N, decltype(vecs)::value>(q + r * dim, dim, ktile, c,
-                                                     s + r * kBlockK, kBlockK);
+        Tiles::template qk<N, decltype(vecs)::value>(q + r, dim, ktile, c, s + r * kBlockK,
+                                                     kBlockK);
       });
     };
     int64_t r = 0;
@@ -275,12 +285,12 @@ void query_block(const typename Tiles::E* q, int64_t rows, int64_t group, int64_
         constexpr int N = decltype(n)::value;
         const int64_t n_keys = std::max<int64_t>(0, seen(r, N));
         if (d + kw <= dim)
-          Tiles::template pv<N, C>(s + r * kBlockK, pb + r * kBlockK, kBlockK, v, k0, d, dim,
-                                   n_keys, alpha + r, o + r * dim, dim);
+          Tiles::template pv<N, C>(s + r * kBlockK, pb + r * kBlockK, kBlockK, v, ldv, k0, d,
+                                   n_keys, alpha + r, o + r);
         else  // head_dim not a multiple of kw: the rest vector by vector
           for (int64_t e = d; e < dim; e += P::kStep)
-            Tiles::template pv<N, 1>(s + r * kBlockK, pb + r * kBlockK, kBlockK, v, k0, e, dim,
-                                     n_keys, alpha + r, o + r * dim, dim);
+            Tiles::template pv<N, 1>(s + r * kBlockK, pb + r * kBlockK, kBlockK, v, ldv, k0, e,
+                                     n_keys, alpha + r, o + r);
       };
       for (r = 0; r + R <= rows; r += R) pv(std::integral_constant<int, R>{}, r);
       with_rows<R - 1>(rows - r, [&](auto n) { pv(n, r); });
@@ -288,7 +298,7 @@ void query_block(const typename Tiles::E* q, int64_t rows, int64_t group, int64_
   }
   for (int64_t r = 0; r < rows; ++r) {
     const float inv = 1.f / l[r];
-    for (int64_t d = 0; d < dim; ++d) o[r * dim + d] *= inv;
+    for (int64_t d = 0; d < dim; ++d) o[r][d] *= inv;
   }
 }
 
@@ -297,43 +307,60 @@ void prefill(float* out, const T* q, const T* k, const T* v, int64_t ldq, int64_
              int64_t ldv, int64_t tokens, int64_t keys, int64_t heads, int64_t kv_heads,
              int64_t dim, float scale) {
   using E = typename Tiles::E;
+  // Inputs already in the layout's element type are read in place (q and, with float32
+  // tiles, V); others are converted (q per query block, V once).
+  constexpr bool kInPlace = std::is_same_v<T, E>;
+  constexpr bool kVInPlace = kInPlace && !Tiles::kBf16Weights;
   const int64_t group = heads / kv_heads, start = keys - tokens;
   const int64_t bq = block_q(group), blocks = (tokens + bq - 1) / bq;
   const int64_t padded = (keys + kBlockK - 1) / kBlockK * kBlockK;
-  // Per kv head: K by tiles of kBlockK keys (zero-padded), V (zero-padded), in Tiles' layouts.
-  std::vector<E> kt(kv_heads * padded * dim, E(0.f)), vp(kv_heads * padded * dim, E(0.f));
+  // Per kv head: K by tiles of kBlockK keys (zero-padded) and, unless read in place, V
+  // (zero-padded), in Tiles' layouts.
+  std::vector<E> kt(kv_heads * padded * dim, E(0.f));
+  std::vector<E> vp(kVInPlace ? 0 : kv_heads * padded * dim, E(0.f));
   at::parallel_for(0, kv_heads, 1, [&](int64_t b, int64_t e) {
     for (int64_t kh = b; kh < e; ++kh)
-      for (int64_t j = 0; j < keys; ++j) {
+      for (int64_t j = 0; j < keys; j += 16) {  // 16 keys at a time, within one tile
         E* tile = kt.data() + kh * padded * dim + (j / kBlockK) * dim * kBlockK;
-        Tiles::pack_k(tile, j % kBlockK, k + j * ldk + kh * dim, dim);
-        Tiles::pack_v(vp.data() + kh * padded * dim, j, v + j * ldv + kh * dim, dim);
+        Tiles::pack_k(tile, j % kBlockK, k + j * ldk + kh * dim, ldk,
+                      std::min<int64_t>(16, keys - j), dim);
+        if constexpr (!kVInPlace)
+          for (int64_t i = j; i < std::min<int64_t>(j + 16, keys); ++i)
+            Tiles::pack_v(vp.data() + kh * padded * dim, i, v + i * ldv + kh * dim, dim);
       }
   });
   // Items (kv head, block): kv head fastest, blocks paired long with short (0, last, 1, ...),
   // so the contiguous ranges parallel_for hands each thread hold about equal work.
   at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t b, int64_t e) {
     const int64_t rows_max = bq * group;
-    std::vector<E> qp(rows_max * dim);
-    std::vector<float> s(rows_max * kBlockK), o(rows_max * dim), m(rows_max), l(rows_max),
-        alpha(rows_max);
+    std::vector<E> qp(kInPlace ? 0 : rows_max * dim);
+    std::vector<const E*> qrows(rows_max);
+    std::vector<float*> orows(rows_max);
+    std::vector<float> s(rows_max * kBlockK), m(rows_max), l(rows_max), alpha(rows_max);
     std::vector<bf16> pb(Tiles::kBf16Weights ? rows_max * kBlockK : 0);
     for (int64_t item = b; item < e; ++item) {
       const int64_t kh = item % kv_heads, i = item / kv_heads;
       const int64_t blk = i % 2 == 0 ? i / 2 : blocks - 1 - i / 2;
       const int64_t t0 = blk * bq, nt = std::min(bq, tokens - t0), rows = nt * group;
+      // Row (t, g): query head kh * group + g of token t0 + t.
       for (int64_t t = 0; t < nt; ++t)
         for (int64_t g = 0; g < group; ++g) {
-          const T* src = q + (t0 + t) * ldq + (kh * group + g) * dim;
-          std::copy(src, src + dim, qp.data() + (t * group + g) * dim);  // converted to E
+          const int64_t r = t * group + g, h = kh * group + g;
+          const T* src = q + (t0 + t) * ldq + h * dim;
+          if constexpr (kInPlace) {
+            qrows[r] = src;
+          } else {
+            std::copy(src, src + dim, qp.data() + r * dim);  // converted to E
+            qrows[r] = qp.data() + r * dim;
+          }
+          orows[r] = out + ((t0 + t) * heads + h) * dim;
         }
-      query_block<P, Tiles>(qp.data(), rows, group, start + t0, dim,
-                            kt.data() + kh * padded * dim, vp.data() + kh * padded * dim, scale,
-                            s.data(), pb.data(), o.data(), m.data(), l.data(), alpha.data(),
+      const E* vh = kVInPlace ? reinterpret_cast<const E*>(v) + kh * dim
+                              : vp.data() + kh * padded * dim;
+      query_block<P, Tiles>(qrows.data(), rows, group, start + t0, dim,
+                            kt.data() + kh * padded * dim, vh, kVInPlace ? ldv : dim, scale,
+                            s.data(), pb.data(), orows.data(), m.data(), l.data(), alpha.data(),
                             std::is_same_v<T, bf16>);
-      for (int64_t t = 0; t < nt; ++t)
-        std::copy(o.data() + t * group * dim, o.data() + (t + 1) * group * dim,
-                  out + ((t0 + t) * heads + kh * group) * dim);
     }
   });
 }
