@@ -7,6 +7,7 @@ caller's thread in-process, the busy-loop thread in EngineCoreProc).
 from __future__ import annotations
 
 import base64
+import gc
 import logging
 import time
 from collections.abc import Iterable
@@ -28,6 +29,15 @@ if TYPE_CHECKING:
     from engine.executor.multiproc import MultiprocExecutor
 
 logger = logging.getLogger(__name__)
+
+
+def freeze_startup_objects() -> None:
+    """Collect once, then move every object alive (torch's modules, the model, the tokenizer:
+    hundreds of thousands) out of the cyclic collector's reach, as vLLM does after start-up.
+    Without it each full collection during serving walks them all: ~2 % of a 1024-token
+    prefill's time on one core went to gc_collect_main (perf, AMD EPYC)."""
+    gc.collect()
+    gc.freeze()
 
 
 class EngineCore:
@@ -71,6 +81,7 @@ class EngineCore:
             connector=sched_conn,
         )
         self.worker_connector = worker_conn
+        freeze_startup_objects()
         logger.info("engine core ready: %d KV blocks of %d tokens", self.num_kv_blocks,
                     config.block_size)
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from engine import stackdump
 from engine.config import EngineConfig
+from engine.core.engine_core import freeze_startup_objects
 from engine.executor import messages as m
 from engine.executor.shm_broadcast import RingGone, RingHandle, ShmReader, ShmWriter
 from engine.kv_connector import KVCacheSpec, make_worker_half
@@ -136,6 +137,7 @@ def worker_main(config: dict[str, Any], rank: int, tp_size: int, dist_port: int,
         reader = ShmReader(msgspec.msgpack.decode(broadcast, type=RingHandle), rank,
                            broadcast_bell)
         response = ShmWriter(1, [response_bell], num_slots=_RESPONSE_SLOTS)
+        freeze_startup_objects()
     except Exception as e:
         logger.exception("worker %d failed to start", rank)
         ready.send_bytes(m.encode(m.WorkerFailed(rank, f"{type(e).__name__}: {e}")))

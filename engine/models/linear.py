@@ -12,7 +12,7 @@ behind F.linear: on the model's prefill shapes it runs 1.3x faster (about 0.83 o
 against 0.60-0.75 on an AVX-512 AMD EPYC, `pdserve bench roofline`), still in full float32
 (bf16 F.linear already goes to oneDNN). PDSERVE_LINEAR=torch keeps F.linear everywhere.
 `fp32_kernels(x)` hands the layers the compiled `rope_` (rope.cpp: q and k rotated in place in
-a float32 q|k|v matmul output, one pass), `add_rms_norm` (rms_norm.cpp) and `silu_mul_`
+a float32 q|k|v matmul output, one pass), `add_rms_norm` (rms_norm.cpp) and `silu_mul`
 (silu_mul.cpp).
 """
 
@@ -54,7 +54,7 @@ def large_linear(x: torch.Tensor, weight: torch.Tensor,
 
 def fp32_kernels(x: torch.Tensor) -> ModuleType | None:
     """The kernels' module, for x a float32 CPU [T, n] tensor (`rope_` on a q|k|v matmul
-    output, `add_rms_norm`, `silu_mul_`); None where the torch path applies (other dtypes
+    output, `add_rms_norm`, `silu_mul`); None where the torch path applies (other dtypes
     keep torch's rounding order, which transformers' reference shares)."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
         return None

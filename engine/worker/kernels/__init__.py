@@ -4,7 +4,7 @@ One extension module holds them all (bindings in ops.cpp): `paged_decode` (paged
 attention, paged_attention.cpp), `prefill_attention` (causal prefill attention,
 prefill_attention.cpp), `write_kv` (a step's K/V into the paged cache), `rope_` (rotary
 embedding in place, rope.cpp), `add_rms_norm` (residual add + RMSNorm, rms_norm.cpp),
-`silu_mul_` (SwiGLU's activation in place, silu_mul.cpp) and `skinny_linear` (float32 / bf16
+`silu_mul` (SwiGLU's activation, silu_mul.cpp) and `skinny_linear` (float32 / bf16
 matmuls with few rows, skinny_linear.cpp). `paged_attention()` and `linear_kernel()` return the
 module or None, in which case the caller uses its pure-torch path. The build is keyed by the
 sources, the compiler flags, the torch version and the CPU (the code is built with

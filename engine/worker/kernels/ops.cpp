@@ -14,7 +14,7 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor chunks, torc
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x,
                                                       c10::optional<torch::Tensor> residual,
                                                       torch::Tensor weight, double eps);
-void silu_mul_(torch::Tensor x, int64_t inter);
+torch::Tensor silu_mul(torch::Tensor x, int64_t inter);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads);
 void write_kv(torch::Tensor rows, torch::Tensor slots, int64_t offset, int64_t bs,
               torch::Tensor k, torch::Tensor v);
@@ -60,7 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "residual add then RMSNorm, one pass (CPU, fp32)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
-  m.def("silu_mul_", &silu_mul_, "SwiGLU activation in place in a gate|up output (CPU, fp32)");
+  m.def("silu_mul", &silu_mul, "SwiGLU activation of a gate|up output, a new tensor (CPU, fp32)");
   m.def("rope_", &rope_, "rotary embedding in place on the first heads of each row (CPU, fp32)");
   m.def("write_kv", &write_kv, "write one step's K and V at their paged-cache slots (CPU)");
   m.def("prefill_attention", &prefill_attention, "causal prefill attention, flash style (CPU)",

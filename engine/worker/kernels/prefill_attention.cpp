@@ -10,11 +10,12 @@
 // vectors), then an online softmax per row (running max m and sum l; the output rows already
 // summed are rescaled by e^(m_old - m_new)), then O += P V (R rows x C vectors of head_dim).
 // Tiles entirely above the diagonal are never computed; in the diagonal tiles each row stops
-// at its own position. Scores are scaled after Q K^T; bf16 inputs' softmax weights are rounded
-// to bf16 before P V (as torch's SDPA does). Everything accumulates in float32 whatever the
-// input dtype; the products run on the path current_isa() names (isa.h, simd.h): FMA on
-// float32 copies (FloatTiles), or vdpbf16ps on bf16 pairs for bf16 on avx512_bf16 (Bf16Tiles,
-// 1.6x the float32 copies' speed).
+// at its own position. Scores are scaled after Q K^T (float32: inside the exp's FMA; bf16: a
+// pass of its own, SDPA's order); bf16 inputs' softmax weights are rounded to bf16 before P V
+// (as torch's SDPA does). Everything accumulates in float32 whatever the input dtype; the
+// products run on the path current_isa() names (isa.h, simd.h): FMA on float32 (FloatTiles;
+// float32 q and V in place, other dtypes converted), or vdpbf16ps on bf16 pairs for bf16 on
+// avx512_bf16 (Bf16Tiles, 1.6x the float32 path's speed).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -252,23 +253,39 @@ void query_block(const typename Tiles::E* const* q, int64_t rows, int64_t group,
       }
       const int64_t cols = (valid + P::kStep - 1) / P::kStep * P::kStep;
       std::fill(sr + valid, sr + cols, -std::numeric_limits<float>::infinity());
-      // Two passes, as torch's SDPA fuses them: scale (after Q K^T) and the running max, then
-      // the exp and its sum. Keys past the row's position: -inf, then e^-87 (~1e-38, nothing
-      // to a sum that holds e^0 = 1 or what earlier tiles gave), then 0 for P V.
+      // Keys past the row's position: -inf, then e^-87 (~1e-38, nothing to a sum that holds
+      // e^0 = 1 or what earlier tiles gave), then 0 for P V.
       const auto sv = P::set1(scale);
-      auto mv = P::set1(m[r]);
-      for (int64_t j = 0; j < cols; j += P::kStep) {
-        const auto x = P::mul(P::loadf(sr + j), sv);
-        P::storef(sr + j, x);
-        mv = P::max(mv, x);
-      }
-      const float mx = P::hmax(mv);
-      const auto mxv = P::set1(mx);
+      float mx;
       auto sum = P::zero();
-      for (int64_t j = 0; j < cols; j += P::kStep) {
-        const auto e = P::exp(P::sub(P::loadf(sr + j), mxv));
-        P::storef(sr + j, e);
-        sum = P::add(sum, e);
+      if (!Tiles::kBf16Weights && !round_p) {
+        // float32: the max of the raw scores (scale > 0 keeps it the max), then one pass of
+        // e^(s * scale - m) by an FMA, stored, and summed.
+        auto mv = P::set1(-std::numeric_limits<float>::infinity());
+        for (int64_t j = 0; j < cols; j += P::kStep) mv = P::max(mv, P::loadf(sr + j));
+        mx = std::max(m[r], P::hmax(mv) * scale);
+        const auto neg = P::set1(-mx);
+        for (int64_t j = 0; j < cols; j += P::kStep) {
+          const auto e = P::exp(P::template madd<float>(neg, P::loadf(sr + j), sv));
+          P::storef(sr + j, e);
+          sum = P::add(sum, e);
+        }
+      } else {
+        // bf16 inputs: SDPA's order, whose roundings the bf16 weights follow: scale (after
+        // Q K^T) with the running max, then the exp and its sum.
+        auto mv = P::set1(m[r]);
+        for (int64_t j = 0; j < cols; j += P::kStep) {
+          const auto x = P::mul(P::loadf(sr + j), sv);
+          P::storef(sr + j, x);
+          mv = P::max(mv, x);
+        }
+        mx = P::hmax(mv);
+        const auto mxv = P::set1(mx);
+        for (int64_t j = 0; j < cols; j += P::kStep) {
+          const auto e = P::exp(P::sub(P::loadf(sr + j), mxv));
+          P::storef(sr + j, e);
+          sum = P::add(sum, e);
+        }
       }
       std::fill(sr + valid, sr + kBlockK, 0.f);
       if constexpr (Tiles::kBf16Weights) {

@@ -3,7 +3,8 @@
 // by a 16-bit shift, except on Avx512Bf16 where vdpbf16ps takes bf16 pairs as they are).
 // load(p) reads kStep values, madd(acc, a, b) = acc + a * b, hsum sums the lanes, hsums(v)
 // sums each of kStep vectors into one lane of the result; set1, loadf, storef, max, hmax,
-// add, sub, mul and exp (exp_nonpos lane by lane) on float32 vectors serve the attention kernels.
+// add, sub, mul, div, abs, exp (exp_nonpos lane by lane) and nonneg_select(x, a, b) (a where
+// x >= 0, else b) on float32 vectors serve the attention and activation kernels.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -63,6 +64,9 @@ struct Scalar {
   static V add(V a, V b) { return a + b; }
   static V sub(V a, V b) { return a - b; }
   static V mul(V a, V b) { return a * b; }
+  static V div(V a, V b) { return a / b; }
+  static V abs(V x) { return std::fabs(x); }
+  static V nonneg_select(V x, V a, V b) { return x >= 0.f ? a : b; }
   static V exp(V x) { return exp_nonpos(x); }
 };
 
@@ -110,6 +114,11 @@ struct Avx2 {
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static V abs(V x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), x); }
+  static V nonneg_select(V x, V a, V b) {
+    return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+  }
   static V exp(V x) {  // exp_nonpos, 8 lanes
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
     const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -157,6 +166,11 @@ struct Avx512 {
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  static V abs(V x) { return _mm512_abs_ps(x); }
+  static V nonneg_select(V x, V a, V b) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), b, a);
+  }
   static V exp(V x) {  // exp_nonpos, 16 lanes
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
     const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
