@@ -119,7 +119,8 @@ def test_measured_thresholds_are_stored_per_dtype_threads_and_path(kernel_isa):
 
     table = json.loads(calibrate._store().read_text())
     threads, isa = torch.get_num_threads(), kernel_isa.get_isa()
-    assert {calibrate._key(dt, threads, isa) for dt in (torch.float32, torch.bfloat16)} <= set(table)
+    keys = {calibrate._key(dt, threads, isa) for dt in (torch.float32, torch.bfloat16)}
+    assert keys <= set(table)
     assert calibrate.skinny_rows(torch.float16) == 0
 
 
