@@ -32,7 +32,12 @@ namespace {
 
 using namespace simd;
 
-constexpr int64_t kBlockK = 128;  // keys per tile (a multiple of every path's C * kStep)
+// Keys per tile (a multiple of every path's C * kStep): 128 for float32 and float16 inputs;
+// 512 for bf16 inputs, the key blocks of torch's CPU flash attention (SDPA, which transformers
+// calls): the softmax weights are rounded to bf16 relative to the running max of the keys seen
+// so far, so only the same blocks round them as SDPA does (with 128-key tiles the bf16
+// outputs differed from SDPA's by up to ~7 ulps).
+constexpr int64_t kFloatKeys = 128, kBf16Keys = 512;
 
 // Query positions per block: about 96 packed rows whatever the group size (64-128 keys x
 // 48-96 rows measured within 10% of each other at 1024 tokens, this the fastest).
@@ -102,9 +107,10 @@ inline void pv_tile(const float* p, int64_t ldp, const float* v, int64_t ldv, in
 // (keys along the vectors), V [keys] rows of dim values (ldv apart), all float32, products by
 // FMA. float32 inputs are read where they lie (q, V) and written where they go (O); only K is
 // packed. Other input dtypes are converted: q per query block, V once per call.
-template <typename P>
+template <typename P, int64_t KB>
 struct FloatTiles {
   using E = float;
+  static constexpr int64_t kBlockK = KB;
   static constexpr bool kBf16Weights = false;  // P V takes the softmax weights as float32
   // Keys jj .. jj + n - 1 of a tile (n <= 16, rows ldk apart), d-major: each pass over d
   // reads the same n rows (in L1) and writes n consecutive values.
@@ -137,6 +143,7 @@ struct FloatTiles {
 // weights rounded to bf16 pairs (as torch's SDPA rounds them) before P V.
 struct Bf16Tiles {
   using E = bf16;
+  static constexpr int64_t kBlockK = kBf16Keys;
   static constexpr bool kBf16Weights = true;
   static __m512bh pair(const bf16* p) {  // p[0], p[1] in every lane
     int32_t bits;
@@ -212,6 +219,7 @@ void query_block(const typename Tiles::E* const* q, int64_t rows, int64_t group,
                  const typename Tiles::E* v, int64_t ldv, float scale, float* s, bf16* pb,
                  float* const* o, float* m, float* l, float* alpha, bool round_p) {
   constexpr int R = Blocking<P>::R, C = Blocking<P>::C;
+  constexpr int64_t kBlockK = Tiles::kBlockK;
   constexpr int64_t kw = C * P::kStep;  // keys (QK) or head_dim values (PV) per tile column
   for (int64_t r = 0; r < rows; ++r) std::fill(o[r], o[r] + dim, 0.f);
   std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
@@ -324,6 +332,7 @@ void prefill(float* out, const T* q, const T* k, const T* v, int64_t ldq, int64_
              int64_t ldv, int64_t tokens, int64_t keys, int64_t heads, int64_t kv_heads,
              int64_t dim, float scale) {
   using E = typename Tiles::E;
+  constexpr int64_t kBlockK = Tiles::kBlockK;
   // Inputs already in the layout's element type are read in place (q and, with float32
   // tiles, V); others are converted (q per query block, V once).
   constexpr bool kInPlace = std::is_same_v<T, E>;
@@ -392,15 +401,16 @@ void prefill_on_path(int64_t dim, A... args) {
     if (current_isa() >= Isa::kAvx512Bf16 && dim % Avx512::kStep == 0)
       return prefill<Avx512, Bf16Tiles, T>(args...);
 #endif
+  constexpr int64_t kb = std::is_same_v<T, bf16> ? kBf16Keys : kFloatKeys;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if (current_isa() >= Isa::kAvx512 && dim % Avx512::kStep == 0)
-    return prefill<Avx512, FloatTiles<Avx512>, T>(args...);
+    return prefill<Avx512, FloatTiles<Avx512, kb>, T>(args...);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (current_isa() >= Isa::kAvx2 && dim % Avx2::kStep == 0)
-    return prefill<Avx2, FloatTiles<Avx2>, T>(args...);
+    return prefill<Avx2, FloatTiles<Avx2, kb>, T>(args...);
 #endif
-  prefill<Scalar, FloatTiles<Scalar>, T>(args...);
+  prefill<Scalar, FloatTiles<Scalar, kb>, T>(args...);
 }
 
 }  // namespace
