@@ -13,8 +13,8 @@ and thread count like the thresholds: on an AVX-512 AMD EPYC it is 1.3x MKL on t
 prefill shapes (docs/performance.md). bf16 F.linear goes to oneDNN already.
 PDSERVE_LINEAR=torch keeps F.linear everywhere.
 `fp32_kernels(x)` hands the layers the compiled `rope_` (rope.cpp: q and k rotated in place in
-a float32 q|k|v matmul output, one pass), `add_rms_norm` (rms_norm.cpp) and `silu_mul`
-(silu_mul.cpp).
+a float32 q|k|v matmul output, one pass) and `add_rms_norm` (rms_norm.cpp); `act_kernels(x)`
+the SwiGLU activation `silu_mul` (silu_mul.cpp) for float32 and bf16.
 """
 
 from __future__ import annotations
@@ -61,9 +61,17 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor,
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
 
 
+def act_kernels(x: torch.Tensor) -> ModuleType | None:
+    """The kernels' module for `silu_mul` on x, a float32 or bf16 CPU [T, n] tensor (bf16 with
+    torch's roundings, silu_mul.cpp); None elsewhere."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or x.dim() != 2:
+        return None
+    return compiled()
+
+
 def fp32_kernels(x: torch.Tensor) -> ModuleType | None:
     """The kernels' module, for x a float32 CPU [T, n] tensor (`rope_` on a q|k|v matmul
-    output, `add_rms_norm`, `silu_mul`); None where the torch path applies (other dtypes
+    output, `add_rms_norm`); None where the torch path applies (other dtypes
     keep torch's rounding order, which transformers' reference shares)."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
         return None
