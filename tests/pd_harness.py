@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -65,6 +67,15 @@ def start_proxy(prefill_urls: list[str], decode_urls: list[str], mode: str,
     return proxy
 
 
+_LOG_DIR = tempfile.mkdtemp(prefix="pdserve-e2e-")
+_log_count = itertools.count()
+
+
+def _log_path(engine_id: str) -> str:
+    """A server's own log file: a start-up failure's message ends with its tail."""
+    return os.path.join(_LOG_DIR, f"{next(_log_count):03d}-{engine_id}.log")
+
+
 @contextlib.contextmanager
 def deployment(model: str, mode: str = "push", *, num_blocks: int = 512,
                extra: dict[str, Any] | None = None, p_extra: dict[str, Any] | None = None,
@@ -80,7 +91,7 @@ def deployment(model: str, mode: str = "push", *, num_blocks: int = 512,
         p_port = free_port(count=_MAX_TP)  # a TP engine's rank r listens at kv_port + r
         p = launch_server(model, *role_args(num_blocks, {**(extra or {}), **(p_extra or {})},
                                             connector, "P0", p_port, *engine_args, *p_args),
-                          module="prefill", env=TEST_ENV, wait=False)
+                          module="prefill", env=TEST_ENV, wait=False, log_path=_log_path("P0"))
         procs.append(p)
         decodes, kv_ports = [], {"P0": p_port}
         for i in range(num_decodes):
@@ -90,7 +101,8 @@ def deployment(model: str, mode: str = "push", *, num_blocks: int = 512,
                                                 {**(extra or {}), **(d_extra or {})},
                                                 connector, f"D{i}", d_port, *engine_args,
                                                 *d_args),
-                              module="decode", env=TEST_ENV, wait=False)
+                              module="decode", env=TEST_ENV, wait=False,
+                              log_path=_log_path(f"D{i}"))
             procs.append(d)
             decodes.append(d)
         for s in procs:

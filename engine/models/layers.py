@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.arch import ModelArch
-from engine.models.linear import fp32_kernels, linear
+from engine.models.linear import act_kernels, fp32_kernels, linear
 from engine.models.parallel import AllReduceFn, TPLayout
 from engine.models.rope import apply_rotary
 
@@ -118,10 +118,10 @@ class DecoderLayer(nn.Module):
 
     def _mlp(self, h: torch.Tensor, all_reduce: AllReduceFn | None) -> torch.Tensor:
         gate_up = linear(h, self.gate_up_weight)
-        kernel = fp32_kernels(gate_up) if gate_up.is_contiguous() else None
+        kernel = act_kernels(gate_up) if gate_up.is_contiguous() else None
         if kernel is not None:
-            # One vectorized pass into a contiguous [T, inter]: the down projection's gemm
-            # (oneDNN) would copy a strided half of gate_up first.
+            # One vectorized pass into a contiguous [T, inter] (bf16: with torch's roundings):
+            # the down projection's gemm (oneDNN) would copy a strided half of gate_up first.
             act = kernel.silu_mul(gate_up, self.inter_size)
         else:
             gate, up = gate_up.split((self.inter_size, self.inter_size), dim=-1)

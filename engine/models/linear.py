@@ -6,14 +6,15 @@ float32 or bfloat16 CPU inputs of at most `skinny_rows(dtype)` rows the compiled
 `skinny_linear` kernel (engine/worker/kernels/skinny_linear.cpp) streams the weight once
 instead (bf16 with vdpbf16ps where the CPU has AVX512-BF16). The row threshold is measured
 on this machine for its dtype, thread count and kernel path (engine/worker/kernels/
-calibrate.py); beyond it the blocked gemm wins. For float32 that gemm is oneDNN's matmul
-(`large_linear`, torch's own mkldnn build, on the plain weight: no packed copy), not the MKL sgemm
-behind F.linear: on the model's prefill shapes it runs 1.3x faster (about 0.83 of the FMA peak
-against 0.60-0.75 on an AVX-512 AMD EPYC, `pdserve bench roofline`), still in full float32
-(bf16 F.linear already goes to oneDNN). PDSERVE_LINEAR=torch keeps F.linear everywhere.
+calibrate.py); beyond it the blocked gemm wins. For float32 that gemm (`large_linear`) is
+oneDNN's matmul (torch's own mkldnn build, on the plain weight: no packed copy, full float32)
+where it is not slower than the MKL sgemm behind F.linear, which is measured once per machine
+and thread count like the thresholds: on an AVX-512 AMD EPYC it is 1.3x MKL on the model's
+prefill shapes (docs/performance.md). bf16 F.linear goes to oneDNN already.
+PDSERVE_LINEAR=torch keeps F.linear everywhere.
 `fp32_kernels(x)` hands the layers the compiled `rope_` (rope.cpp: q and k rotated in place in
-a float32 q|k|v matmul output, one pass), `add_rms_norm` (rms_norm.cpp) and `silu_mul`
-(silu_mul.cpp).
+a float32 q|k|v matmul output, one pass) and `add_rms_norm` (rms_norm.cpp); `act_kernels(x)`
+the SwiGLU activation `silu_mul` (silu_mul.cpp) for float32 and bf16.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.worker.kernels import compiled, linear_kernel
-from engine.worker.kernels.calibrate import skinny_rows
+from engine.worker.kernels.calibrate import onednn_sgemm, skinny_rows
 
-_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -44,17 +45,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def large_linear(x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The gemm for a CPU x [M, in] of more rows than the skinny kernel takes: oneDNN's matmul
-    for float32 (x of any row stride), F.linear otherwise or with PDSERVE_LINEAR=torch."""
-    if (_ONEDNN and x.dtype == torch.float32 and weight.is_contiguous()
-            and os.environ.get("PDSERVE_LINEAR") != "torch"):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
+    """The gemm for a CPU x [M, in] of more rows than the skinny kernel takes: for float32
+    oneDNN's matmul (x of any row stride) where this machine measured it faster, else (and
+    with PDSERVE_LINEAR=torch) F.linear."""
+    if (ONEDNN and x.dtype == torch.float32 and weight.is_contiguous()
+            and os.environ.get("PDSERVE_LINEAR") != "torch"
+            and onednn_sgemm(torch.get_num_threads())):
+        return onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear by oneDNN's matmul (float32 CPU tensors, weight contiguous)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
+
+
+def act_kernels(x: torch.Tensor) -> ModuleType | None:
+    """The kernels' module for `silu_mul` on x, a float32 or bf16 CPU [T, n] tensor (bf16 with
+    torch's roundings, silu_mul.cpp); None elsewhere."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or x.dim() != 2:
+        return None
+    return compiled()
 
 
 def fp32_kernels(x: torch.Tensor) -> ModuleType | None:
     """The kernels' module, for x a float32 CPU [T, n] tensor (`rope_` on a q|k|v matmul
-    output, `add_rms_norm`, `silu_mul`); None where the torch path applies (other dtypes
+    output, `add_rms_norm`); None where the torch path applies (other dtypes
     keep torch's rounding order, which transformers' reference shares)."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
         return None

@@ -20,7 +20,7 @@ from engine.protocol import SamplingParams
 from engine.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.worker import kernels
 from engine.worker.attention import AttentionMetadata, PagedAttention, SeqSpan
-from engine.worker.kv_memory import alloc_kv_cache
+from engine.worker.huge_pages import alloc_kv_cache, weights_on_huge_pages
 from engine.worker.sampler import Sampler, build_sampling_metadata
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class ModelRunner:
         self.arch = load_arch(config.model)
         self.model = load_model(config.model, config.dtype, config.device, tp_rank=tp_rank,
                                 tp_size=tp_size, comm=comm)
+        weights_on_huge_pages(self.model)  # fewer TLB misses streaming them (huge_pages.py)
         self.max_model_len = config.resolved_max_model_len(self.arch.max_position_embeddings)
         self.block_size = config.block_size
         self.kv_cache_spec = self._kv_cache_spec()

@@ -120,8 +120,47 @@ def test_measured_thresholds_are_stored_per_dtype_threads_and_path(kernel_isa):
     table = json.loads(calibrate._store().read_text())
     threads, isa = torch.get_num_threads(), kernel_isa.get_isa()
     keys = {calibrate._key(dt, threads, isa) for dt in (torch.float32, torch.bfloat16)}
+    if linear_mod.ONEDNN:  # the float32 gemm beyond them, measured on the way
+        keys.add(f"float32:{threads}:onednn")
     assert keys <= set(table)
     assert calibrate.skinny_rows(torch.float16) == 0
+
+
+def test_the_float32_gemm_is_the_one_measured_faster(monkeypatch):
+    monkeypatch.setattr(calibrate, "CALIBRATION_SHAPE", (256, 128))
+
+    def slow(x, w):
+        for _ in range(3):
+            F.linear(x, w)
+
+    assert calibrate.measure_gemm(F.linear, slow) is True
+    assert calibrate.measure_gemm(slow, F.linear) is False
+
+
+@pytest.mark.parametrize("onednn_wins", [True, False])
+def test_large_linear_follows_the_measured_choice(monkeypatch, onednn_wins):
+    calls = []
+
+    def spy(x, w, b=None):
+        calls.append(x.shape[0])
+        return F.linear(x, w, b)
+
+    monkeypatch.setattr(linear_mod, "onednn_linear", spy)
+    monkeypatch.setattr(linear_mod, "onednn_sgemm", lambda threads: onednn_wins)
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(300, 64, generator=gen), torch.randn(32, 64, generator=gen)
+    torch.testing.assert_close(linear_mod.large_linear(x, w), F.linear(x, w))
+    assert calls == ([300] if onednn_wins and linear_mod.ONEDNN else [])
+
+
+def test_onednn_linear_is_float32_linear():
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(200, 2 * 96, generator=gen)[:, :96]  # rows of any stride
+    w, b = torch.randn(48, 96, generator=gen), torch.randn(48, generator=gen)
+    if not linear_mod.ONEDNN:
+        pytest.skip("this torch build has no oneDNN (mkldnn)")
+    torch.testing.assert_close(linear_mod.onednn_linear(x, w, b), F.linear(x, w, b),
+                               rtol=1e-5, atol=1e-5)
 
 
 def _in_subprocess(code: str, **env: str) -> subprocess.CompletedProcess:

@@ -11,6 +11,10 @@ threshold is the largest row count at which the kernel is not slower, 0 if it ne
 The result (well under a second to measure) is stored beside the kernels' shared object
 (`<name>.thresholds.json`, keyed "dtype:threads:path"), so each machine measures once;
 `python -m engine.worker.kernels --recalibrate` measures again (e.g. on a quiet machine).
+
+Which float32 gemm `large_linear` runs is measured the same way, once per thread count:
+oneDNN's matmul against F.linear (MKL's sgemm) on GEMM_ROWS rows of the same weight, best of
+REPEATS each; oneDNN where it is not slower (key "float32:threads:onednn").
 """
 
 from __future__ import annotations
@@ -21,14 +25,18 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
 CALIBRATION_SHAPE = (4096, 1024)  # [out, in]: 16 MiB in float32, 8 MiB in bf16
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+GEMM_ROWS = 256  # a prefill chunk's rows, well past every skinny threshold
 REPEATS = 5
 
 
@@ -81,6 +89,36 @@ def measure(kernel, dtype: torch.dtype) -> int:
     return best
 
 
+def measure_gemm(onednn: Callable[..., Any], mkl: Callable[..., Any]) -> bool:
+    """Whether `onednn` is not slower than `mkl` on [GEMM_ROWS, in] x CALIBRATION_SHAPE^T."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(*CALIBRATION_SHAPE, generator=gen)
+    x = torch.randn(GEMM_ROWS, w.shape[1], generator=gen)
+    onednn(x, w), mkl(x, w)  # warm both
+    a = b = float("inf")
+    for _ in range(REPEATS):
+        a = min(a, _seconds(onednn, x, w))
+        b = min(b, _seconds(mkl, x, w))
+    return a <= b
+
+
+@functools.cache
+def onednn_sgemm(threads: int) -> bool:
+    """Whether float32 gemms beyond the skinny rows go to oneDNN at this thread count (else
+    F.linear): measured once per machine, then read from the store."""
+    from engine.models.linear import onednn_linear
+
+    key = f"float32:{threads}:onednn"
+    table = _load()
+    if key in table:
+        return bool(table[key])
+    wins = measure_gemm(onednn_linear, F.linear)
+    logger.info("float32 gemm at %d threads: %s (measured)", threads,
+                "oneDNN" if wins else "F.linear")
+    _save(key, int(wins))
+    return wins
+
+
 def _key(dtype: torch.dtype, threads: int, isa: str) -> str:
     # ":gemm2": measured against large_linear (keys without it were against F.linear)
     return f"{str(dtype).removeprefix('torch.')}:{threads}:{isa}:gemm2"
@@ -114,13 +152,19 @@ def skinny_rows(dtype: torch.dtype) -> int:
 def recalibrate() -> dict[str, int]:
     """Measure both dtypes again at this process's thread count and path, replacing what the
     store holds for them."""
+    from engine.models.linear import ONEDNN, onednn_linear
     from engine.worker.kernels import linear_kernel
 
     kernel = linear_kernel()
     if kernel is None:
         return {}
     _threshold.cache_clear()
+    onednn_sgemm.cache_clear()
+    threads = torch.get_num_threads()
     out = {}
+    if ONEDNN:
+        out["float32_onednn"] = int(measure_gemm(onednn_linear, F.linear))
+        _save(f"float32:{threads}:onednn", out["float32_onednn"])
     for dtype in (torch.float32, torch.bfloat16):
         rows = measure(kernel, dtype)
         _save(_key(dtype, torch.get_num_threads(), kernel.get_isa()), rows)

@@ -60,7 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "residual add then RMSNorm, one pass (CPU, fp32)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
-  m.def("silu_mul", &silu_mul, "SwiGLU activation of a gate|up output, a new tensor (CPU, fp32)");
+  m.def("silu_mul", &silu_mul, "SwiGLU activation of a gate|up output, a new tensor (CPU, fp32 or bf16)");
   m.def("rope_", &rope_, "rotary embedding in place on the first heads of each row (CPU, fp32)");
   m.def("write_kv", &write_kv, "write one step's K and V at their paged-cache slots (CPU)");
   m.def("prefill_attention", &prefill_attention, "causal prefill attention, flash style (CPU)",
