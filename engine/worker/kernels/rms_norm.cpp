@@ -74,14 +74,9 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x,
   float* rp = r.data_ptr<float>();
   const float e = static_cast<float>(eps);
   at::parallel_for(0, t, 16, [&](int64_t b, int64_t end) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (current_isa() >= Isa::kAvx512)
-      return norm_rows<Avx512>(xp, res, wp, hp, rp, b, end, n, e);
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-    if (current_isa() >= Isa::kAvx2) return norm_rows<Avx2>(xp, res, wp, hp, rp, b, end, n, e);
-#endif
-    norm_rows<Scalar>(xp, res, wp, hp, rp, b, end, n, e);
+    on_float_path([&](auto path) {
+      norm_rows<decltype(path)>(xp, res, wp, hp, rp, b, end, n, e);
+    });
   });
   return {h, r};
 }

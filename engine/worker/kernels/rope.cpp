@@ -59,14 +59,8 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads)
   const float* sp = sin.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldc = cos.stride(0);
   at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (current_isa() >= Isa::kAvx512)
-      return rotate_rows<Avx512>(xp, ldx, cp, sp, ldc, b, e, heads, dim);
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-    if (current_isa() >= Isa::kAvx2)
-      return rotate_rows<Avx2>(xp, ldx, cp, sp, ldc, b, e, heads, dim);
-#endif
-    rotate_rows<Scalar>(xp, ldx, cp, sp, ldc, b, e, heads, dim);
+    on_float_path([&](auto path) {
+      rotate_rows<decltype(path)>(xp, ldx, cp, sp, ldc, b, e, heads, dim);
+    });
   });
 }

@@ -201,4 +201,17 @@ struct Avx512Bf16 {  // bf16 x bf16 dot products only
 };
 #endif
 
+// f(P{}) for the float32 vector path current_isa() allows (Avx512, Avx2, else Scalar): the one
+// dispatch of the row kernels (rope, rms_norm, silu_mul).
+template <typename F>
+inline void on_float_path(F&& f) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (current_isa() >= Isa::kAvx512) return f(Avx512{});
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (current_isa() >= Isa::kAvx2) return f(Avx2{});
+#endif
+  f(Scalar{});
+}
+
 }  // namespace simd
