@@ -39,6 +39,10 @@ using namespace simd;
 // outputs differed from SDPA's by up to ~7 ulps).
 constexpr int64_t kFloatKeys = 128, kBf16Keys = 512;
 
+// Softmax weights P V may read past a row's last key: its R-row group sees up to R - 1
+// positions more (one more for the bf16 pairs). They are zeroed, so it reads 0.
+constexpr int64_t kPad = 32;
+
 // Query positions per block: about 96 packed rows whatever the group size (64-128 keys x
 // 48-96 rows measured within 10% of each other at 1024 tokens, this the fastest).
 int64_t block_q(int64_t group) { return std::max<int64_t>(8, 96 / group); }
@@ -54,6 +58,7 @@ template <>
 struct Blocking<Avx512> {
   static constexpr int R = 6, C = 4;
 };
+static_assert(Blocking<Avx512>::R < kPad);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
 template <>
@@ -145,6 +150,11 @@ struct Bf16Tiles {
   using E = bf16;
   static constexpr int64_t kBlockK = kBf16Keys;
   static constexpr bool kBf16Weights = true;
+  // 16 softmax weights rounded to bf16, nearest even (as c10's conversion; denormals, below
+  // e^-87 of the row's max, go to 0).
+  static void store_weights(bf16* dst, __m512 e) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(e));
+  }
   static __m512bh pair(const bf16* p) {  // p[0], p[1] in every lane
     int32_t bits;
     std::memcpy(&bits, p, sizeof(bits));
@@ -248,58 +258,54 @@ void query_block(const typename Tiles::E* const* q, int64_t rows, int64_t group,
     for (; r + R <= rows; r += R) qk(std::integral_constant<int, R>{}, r);
     with_rows<R - 1>(rows - r, [&](auto n) { qk(n, r); });
     // Online softmax: row r (position first_pos + r / group) sees keys up to its position;
-    // the keys past it (diagonal tiles) are set to -inf before and to 0 after the exp.
+    // the keys past it (diagonal tiles) are set to -inf before and to 0 after the exp. P V
+    // reads a row's weights up to the last key its R-row group sees, under kPad past its own.
     for (r = 0; r < rows; ++r) {
       float* sr = s + r * kBlockK;
+      bf16* pr = pb + r * kBlockK;
       const int64_t valid = std::min(nk, first_pos + r / group - k0 + 1);
+      const int64_t tail = std::min(kBlockK, std::max<int64_t>(valid, 0) + kPad);
       if (valid <= 0) {
         alpha[r] = 1.f;
-        std::fill(sr, sr + kBlockK, 0.f);
-        if constexpr (Tiles::kBf16Weights)
-          std::fill(pb + r * kBlockK, pb + (r + 1) * kBlockK, bf16(0.f));
+        if constexpr (Tiles::kBf16Weights) std::fill(pr, pr + tail, bf16(0.f));
+        else std::fill(sr, sr + tail, 0.f);
         continue;
       }
       const int64_t cols = (valid + P::kStep - 1) / P::kStep * P::kStep;
       std::fill(sr + valid, sr + cols, -std::numeric_limits<float>::infinity());
-      // Keys past the row's position: -inf, then e^-87 (~1e-38, nothing to a sum that holds
-      // e^0 = 1 or what earlier tiles gave), then 0 for P V.
-      const auto sv = P::set1(scale);
-      float mx;
+      // The max of the raw scores (scale > 0 keeps it the max, and rounding s * scale keeps
+      // the order: the same max as SDPA's of the scaled scores). Keys past the row's
+      // position: -inf, then e^-87 (~1e-38, nothing to a sum that holds e^0 = 1 or what
+      // earlier tiles gave), then 0 for P V.
+      auto mv = P::set1(-std::numeric_limits<float>::infinity());
+      for (int64_t j = 0; j < cols; j += P::kStep) mv = P::max(mv, P::loadf(sr + j));
+      const float mx = std::max(m[r], P::hmax(mv) * scale);
+      const auto sv = P::set1(scale), neg = P::set1(-mx);
       auto sum = P::zero();
       if (!Tiles::kBf16Weights && !round_p) {
-        // float32: the max of the raw scores (scale > 0 keeps it the max), then one pass of
-        // e^(s * scale - m) by an FMA, stored, and summed.
-        auto mv = P::set1(-std::numeric_limits<float>::infinity());
-        for (int64_t j = 0; j < cols; j += P::kStep) mv = P::max(mv, P::loadf(sr + j));
-        mx = std::max(m[r], P::hmax(mv) * scale);
-        const auto neg = P::set1(-mx);
+        // float32: e^(s * scale - m) by one FMA, stored, and summed.
         for (int64_t j = 0; j < cols; j += P::kStep) {
           const auto e = P::exp(P::template madd<float>(neg, P::loadf(sr + j), sv));
           P::storef(sr + j, e);
           sum = P::add(sum, e);
         }
+        std::fill(sr + valid, sr + tail, 0.f);
       } else {
-        // bf16 inputs: SDPA's order, whose roundings the bf16 weights follow: scale (after
-        // Q K^T) with the running max, then the exp and its sum.
-        auto mv = P::set1(m[r]);
+        // bf16 inputs: SDPA's order and roundings: s * scale rounded, minus the running max,
+        // the exp summed in float32, the weights rounded to bf16 (nearest even) for P V.
         for (int64_t j = 0; j < cols; j += P::kStep) {
-          const auto x = P::mul(P::loadf(sr + j), sv);
-          P::storef(sr + j, x);
-          mv = P::max(mv, x);
-        }
-        mx = P::hmax(mv);
-        const auto mxv = P::set1(mx);
-        for (int64_t j = 0; j < cols; j += P::kStep) {
-          const auto e = P::exp(P::sub(P::loadf(sr + j), mxv));
-          P::storef(sr + j, e);
+          const auto e = P::exp(P::add(P::mul(P::loadf(sr + j), sv), neg));
           sum = P::add(sum, e);
+          if constexpr (Tiles::kBf16Weights) Tiles::store_weights(pr + j, e);
+          else P::storef(sr + j, e);
         }
-      }
-      std::fill(sr + valid, sr + kBlockK, 0.f);
-      if constexpr (Tiles::kBf16Weights) {
-        for (int64_t j = 0; j < kBlockK; ++j) pb[r * kBlockK + j] = static_cast<bf16>(sr[j]);
-      } else if (round_p) {  // bf16 inputs: P rounded to bf16 before P V, as torch's SDPA does
-        for (int64_t j = 0; j < valid; ++j) sr[j] = static_cast<float>(static_cast<bf16>(sr[j]));
+        if constexpr (Tiles::kBf16Weights) {
+          std::fill(pr + valid, pr + tail, bf16(0.f));
+        } else {
+          for (int64_t j = 0; j < valid; ++j)
+            sr[j] = static_cast<float>(static_cast<bf16>(sr[j]));
+          std::fill(sr + valid, sr + tail, 0.f);
+        }
       }
       alpha[r] = exp_nonpos(m[r] - mx);  // 0 on the first tile (m = -inf)
       l[r] = l[r] * alpha[r] + P::hsum(sum);
@@ -356,17 +362,35 @@ void prefill(float* out, const T* q, const T* k, const T* v, int64_t ldq, int64_
       }
   });
   // Items (kv head, block): kv head fastest, blocks paired long with short (0, last, 1, ...),
-  // so the contiguous ranges parallel_for hands each thread hold about equal work.
-  at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t b, int64_t e) {
+  // cut into one contiguous run per thread of about equal work (rows x keys seen).
+  const int64_t items = kv_heads * blocks;
+  auto block_of = [&](int64_t item) {
+    const int64_t i = item / kv_heads;
+    return i % 2 == 0 ? i / 2 : blocks - 1 - i / 2;
+  };
+  const int64_t runs = std::min<int64_t>(at::get_num_threads(), items);
+  std::vector<int64_t> cut(runs + 1, items);
+  {
+    std::vector<double> done(items + 1, 0.0);
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t t0 = block_of(item) * bq, nt = std::min(bq, tokens - t0);
+      done[item + 1] = done[item] + static_cast<double>(nt) * (start + t0 + (nt + 1) / 2);
+    }
+    cut[0] = 0;
+    for (int64_t k = 1, item = 0; k < runs; ++k) {
+      while (item < items && done[item] < done[items] * k / runs) ++item;
+      cut[k] = item;
+    }
+  }
+  at::parallel_for(0, runs, 1, [&](int64_t rb, int64_t re) {
     const int64_t rows_max = bq * group;
     std::vector<E> qp(kInPlace ? 0 : rows_max * dim);
     std::vector<const E*> qrows(rows_max);
     std::vector<float*> orows(rows_max);
     std::vector<float> s(rows_max * kBlockK), m(rows_max), l(rows_max), alpha(rows_max);
     std::vector<bf16> pb(Tiles::kBf16Weights ? rows_max * kBlockK : 0);
-    for (int64_t item = b; item < e; ++item) {
-      const int64_t kh = item % kv_heads, i = item / kv_heads;
-      const int64_t blk = i % 2 == 0 ? i / 2 : blocks - 1 - i / 2;
+    for (int64_t item = cut[rb]; item < cut[re]; ++item) {
+      const int64_t kh = item % kv_heads, blk = block_of(item);
       const int64_t t0 = blk * bq, nt = std::min(bq, tokens - t0), rows = nt * group;
       // Row (t, g): query head kh * group + g of token t0 + t.
       for (int64_t t = 0; t < nt; ++t)
