@@ -41,28 +41,21 @@ void silu_rows(const float* x, float* out, int64_t begin, int64_t end, int64_t i
 }
 
 // bf16 rows with the roundings of torch's `F.silu(gate) * up` on bf16 tensors (which
-// transformers runs): silu in float32, rounded to bf16, times up in float32, rounded to bf16.
-// kStep values at a time through float32 buffers (the conversions vectorize).
+// transformers runs): silu in float32, rounded to bf16, times up in float32, rounded to bf16
+// (round_bf16 and store_bf16: c10's rounding, vectorized).
 template <typename P>
 void silu_rows_bf16(const bf16* x, bf16* out, int64_t begin, int64_t end, int64_t inter) {
-  constexpr int64_t n = P::kStep;
-  float g[n];
   for (int64_t t = begin; t < end; ++t) {
-    const bf16* gr = x + t * 2 * inter;
-    const bf16* ur = gr + inter;
+    const bf16* g = x + t * 2 * inter;
+    const bf16* u = g + inter;
     bf16* o = out + t * inter;
-    for (int64_t i = 0; i < inter; i += n) {
-      const int64_t m = std::min(n, inter - i);  // the row's last values: lane by lane
-      for (int64_t j = 0; j < m; ++j) g[j] = static_cast<float>(gr[i + j]);
-      if (m == n) {
-        P::storef(g, silu<P>(P::loadf(g)));
-      } else {
-        for (int64_t j = 0; j < m; ++j) g[j] = silu<Scalar>(g[j]);
-      }
-      for (int64_t j = 0; j < m; ++j)
-        o[i + j] = static_cast<bf16>(static_cast<float>(static_cast<bf16>(g[j])) *
-                                     static_cast<float>(ur[i + j]));
-    }
+    int64_t i = 0;
+    for (; i + P::kStep <= inter; i += P::kStep)
+      P::store_bf16(o + i, P::mul(P::round_bf16(silu<P>(P::load(g + i))), P::load(u + i)));
+    for (; i < inter; ++i)
+      o[i] = static_cast<bf16>(
+          static_cast<float>(static_cast<bf16>(silu<Scalar>(static_cast<float>(g[i])))) *
+          static_cast<float>(u[i]));
   }
 }
 

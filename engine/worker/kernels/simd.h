@@ -4,7 +4,8 @@
 // load(p) reads kStep values, madd(acc, a, b) = acc + a * b, hsum sums the lanes, hsums(v)
 // sums each of kStep vectors into one lane of the result; set1, loadf, storef, max, hmax,
 // add, sub, mul, div, abs, exp (exp_nonpos lane by lane) and nonneg_select(x, a, b) (a where
-// x >= 0, else b) on float32 vectors serve the attention and activation kernels.
+// x >= 0, else b) on float32 vectors serve the attention and activation kernels; round_bf16
+// and store_bf16 round to bf16 as c10 does (nearest even, NaN to 0x7fc0).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -68,6 +69,8 @@ struct Scalar {
   static V abs(V x) { return std::fabs(x); }
   static V nonneg_select(V x, V a, V b) { return x >= 0.f ? a : b; }
   static V exp(V x) { return exp_nonpos(x); }
+  static V round_bf16(V x) { return static_cast<float>(static_cast<bf16>(x)); }
+  static void store_bf16(bf16* p, V x) { *p = static_cast<bf16>(x); }
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -118,6 +121,21 @@ struct Avx2 {
   static V abs(V x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), x); }
   static V nonneg_select(V x, V a, V b) {
     return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+  }
+  static __m256i bf16_bits(V x) {  // see Avx512::bf16_bits
+    const __m256i b = _mm256_castps_si256(x);
+    const __m256i bias = _mm256_add_epi32(
+        _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7fff));
+    const __m256i r = _mm256_and_si256(_mm256_add_epi32(b, bias), _mm256_set1_epi32(-65536));
+    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r),
+                                                _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
+                                                _mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  }
+  static V round_bf16(V x) { return _mm256_castsi256_ps(bf16_bits(x)); }
+  static void store_bf16(bf16* p, V x) {
+    const __m256i h = _mm256_srli_epi32(bf16_bits(x), 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
   }
   static V exp(V x) {  // exp_nonpos, 8 lanes
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
@@ -170,6 +188,20 @@ struct Avx512 {
   static V abs(V x) { return _mm512_abs_ps(x); }
   static V nonneg_select(V x, V a, V b) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), b, a);
+  }
+  // x rounded to bf16 as c10 rounds (nearest even; NaN to 0x7fc0), in each lane's high half.
+  static __m512i bf16_bits(V x) {
+    const __m512i b = _mm512_castps_si512(x);
+    const __m512i bias = _mm512_add_epi32(
+        _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
+    const __m512i r = _mm512_and_si512(_mm512_add_epi32(b, bias), _mm512_set1_epi32(-65536));
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                                 _mm512_set1_epi32(0x7fc00000));
+  }
+  static V round_bf16(V x) { return _mm512_castsi512_ps(bf16_bits(x)); }
+  static void store_bf16(bf16* p, V x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(x), 16)));
   }
   static V exp(V x) {  // exp_nonpos, 16 lanes
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
