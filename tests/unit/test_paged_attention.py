@@ -136,3 +136,33 @@ def test_bf16_prefill_rounds_like_torch_sdpa(kernel_isa, tokens, keys):
     differ = (got != want).float().mean().item()
     assert differ < 0.05, f"{differ:.1%} of the bf16 outputs differ from SDPA's"
     assert (got.float() - want.float()).abs().max().item() <= 2 ** -6  # one ulp at [2, 4)
+
+
+@pytest.mark.parametrize(("heads", "kv"), [(4, 4), (8, 2)], ids=["mha", "gqa4"])
+def test_prefill_split_over_threads_changes_nothing(kernel_isa, heads, kv):
+    """The work items are cut into one run per thread by their work: every thread count gives
+    the same bits (no item dropped or done twice; each output row is computed by one item
+    whatever the cut), and the result matches the float64 definition (group 1 included,
+    where a 6-row group spans 6 positions of the diagonal)."""
+    gen = torch.Generator().manual_seed(heads + kv)
+    tokens, dim = 333, 32
+    q = torch.randn(tokens, heads, dim, generator=gen)
+    k = torch.randn(tokens, kv, dim, generator=gen)
+    v = torch.randn(tokens, kv, dim, generator=gen)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            out = torch.full((tokens, heads, dim), float("nan"))
+            kernel_isa.prefill_attention(out, q, k, v, dim ** -0.5)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    g = heads // kv
+    s = torch.einsum("thd,shd->hts", q.double(), k.double().repeat_interleave(g, 1)) * dim ** -0.5
+    s = s.masked_fill(torch.ones(tokens, tokens, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.einsum("hts,shd->thd", s.softmax(-1), v.double().repeat_interleave(g, 1))
+    torch.testing.assert_close(outs[0].double(), want, atol=1e-5, rtol=1e-5)
