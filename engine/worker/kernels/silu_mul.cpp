@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "simd.h"
 
@@ -27,35 +28,27 @@ typename P::V silu(typename P::V x) {
   return P::mul(x, P::nonneg_select(x, r, P::mul(e, r)));
 }
 
-template <typename P>
-void silu_rows(const float* x, float* out, int64_t begin, int64_t end, int64_t inter) {
-  for (int64_t t = begin; t < end; ++t) {
-    const float* g = x + t * 2 * inter;
-    const float* u = g + inter;
-    float* o = out + t * inter;
-    int64_t i = 0;
-    for (; i + P::kStep <= inter; i += P::kStep)
-      P::storef(o + i, P::mul(silu<P>(P::loadf(g + i)), P::loadf(u + i)));
-    for (; i < inter; ++i) o[i] = silu<Scalar>(g[i]) * u[i];
-  }
+// kStep values of silu(gate) * up on path P; bf16 with the roundings of torch's
+// `F.silu(gate) * up` on bf16 tensors (which transformers runs): silu in float32, rounded to
+// bf16, times up in float32, rounded to bf16 (round_bf16, store_bf16: c10's rounding).
+template <typename P, typename T>
+inline void silu_step(const T* g, const T* u, T* o) {
+  const auto s = silu<P>(P::load(g));
+  if constexpr (std::is_same_v<T, bf16>)
+    P::store_bf16(o, P::mul(P::round_bf16(s), P::load(u)));
+  else
+    P::storef(o, P::mul(s, P::load(u)));
 }
 
-// bf16 rows with the roundings of torch's `F.silu(gate) * up` on bf16 tensors (which
-// transformers runs): silu in float32, rounded to bf16, times up in float32, rounded to bf16
-// (round_bf16 and store_bf16: c10's rounding, vectorized).
-template <typename P>
-void silu_rows_bf16(const bf16* x, bf16* out, int64_t begin, int64_t end, int64_t inter) {
+template <typename P, typename T>
+void silu_rows(const T* x, T* out, int64_t begin, int64_t end, int64_t inter) {
   for (int64_t t = begin; t < end; ++t) {
-    const bf16* g = x + t * 2 * inter;
-    const bf16* u = g + inter;
-    bf16* o = out + t * inter;
+    const T* g = x + t * 2 * inter;
+    const T* u = g + inter;
+    T* o = out + t * inter;
     int64_t i = 0;
-    for (; i + P::kStep <= inter; i += P::kStep)
-      P::store_bf16(o + i, P::mul(P::round_bf16(silu<P>(P::load(g + i))), P::load(u + i)));
-    for (; i < inter; ++i)
-      o[i] = static_cast<bf16>(
-          static_cast<float>(static_cast<bf16>(silu<Scalar>(static_cast<float>(g[i])))) *
-          static_cast<float>(u[i]));
+    for (; i + P::kStep <= inter; i += P::kStep) silu_step<P>(g + i, u + i, o + i);
+    for (; i < inter; ++i) silu_step<Scalar>(g + i, u + i, o + i);  // the row's last values
   }
 }
 
@@ -73,8 +66,8 @@ torch::Tensor silu_mul(torch::Tensor x, int64_t inter) {
     on_float_path([&](auto path) {
       using P = decltype(path);
       if (bf)
-        silu_rows_bf16<P>(reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>()),
-                          reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>()), b, e, inter);
+        silu_rows<P>(reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>()),
+                     reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>()), b, e, inter);
       else
         silu_rows<P>(x.data_ptr<float>(), out.data_ptr<float>(), b, e, inter);
     });
