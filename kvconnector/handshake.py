@@ -11,22 +11,27 @@ Protocol. Without a KV secret (vLLM-compatible; anyone who reaches the port gets
     S -> C  META {meta}
 
 With a KV secret (:class:`~kvconnector.security.KVSecurity`; same secret on every engine), an
-HMAC challenge–response in which each side proves it holds the secret (proofs in
-:mod:`kvconnector.handshake_auth`)::
+HMAC challenge–response in which each side proves it holds the secret, bound to the endpoint
+the client dialled and to the client's id, and the metadata sealed for that one exchange
+(:mod:`kvconnector.handshake_auth`)::
 
     C -> S  HELLO {client_nonce}                       32 random bytes
     S -> C  CHALLENGE {server_nonce}                   32 random bytes, single use, 10 s
-    C -> S  GET_META {tp_rank, client_nonce, server_nonce,
-                      proof = mac("GET_META", server_nonce, client_nonce, tp_rank)}
-    S -> C  SIGNED_META {meta = msgpack(AgentMetadata),
-                         proof = mac("META", client_nonce, server_nonce, meta)}
+    C -> S  GET_META {tp_rank, client_nonce, server_nonce, endpoint, client_id,
+                      proof = mac("GET_META v2", transcript)}
+    S -> C  SEALED_META {ChaCha20-Poly1305(key = mac("META key v2", transcript), meta)}
 
-The client checks the server's proof before it decodes the metadata, so a side channel that
-does not know the secret cannot hand out an agent blob (a fake D named in a PUSH_REG cannot
-make P load an attacker's agent). A GET_META without a valid proof, with an unknown, reused,
-expired or foreign nonce, or from an address outside ``kv_peer_allowlist`` is answered with
+``endpoint`` is the "ip:port" the client connected to; the server answers only when it is
+one of its own addresses and its port (a side channel bound to a wildcard owns every local
+interface address). A relay that passes the frames on to a real side channel therefore
+gets ``ERROR refused`` (the client named the relay), and never sees the metadata in clear:
+only the client of the exchange can open it, and opening it proves the server holds the
+secret, so an impostor side channel cannot hand out an agent blob either (a fake D named
+in a PUSH_REG cannot make P load an attacker's agent). A GET_META without a valid proof,
+with an unknown, reused, expired or foreign nonce, naming an endpoint that is not this
+side channel, or from an address outside ``kv_peer_allowlist`` is answered with
 ``ERROR {code: "refused"}`` and counted in ``refused_count``. A client with a secret refuses a
-peer without one (``ERROR {code: "no_secret"}`` or an unsigned META) and a client checks the
+peer without one (``ERROR {code: "no_secret"}`` or an unsealed META) and a client checks the
 allowlist before it connects.
 
 Invariants:
@@ -44,13 +49,20 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 import threading
 from collections.abc import Callable
 
 import msgspec
+import psutil
 import zmq
 
-from kvconnector.handshake_auth import NonceBook, check_client_proof, server_proof
+from kvconnector.handshake_auth import (
+    NonceBook,
+    canonical_endpoint,
+    check_client_proof,
+    seal_meta,
+)
 from kvconnector.handshake_client import (
     MAX_REPLY_BYTES,
     RefusedHandshakes,
@@ -67,7 +79,7 @@ from kvconnector.handshake_msgs import (
     MetaReply,
     Reply,
     Request,
-    SignedMetaReply,
+    SealedMetaReply,
     compat_hash,
 )
 from kvconnector.security import KVSecurity
@@ -87,7 +99,7 @@ __all__ = [
     "Reply",
     "Request",
     "SideChannelServer",
-    "SignedMetaReply",
+    "SealedMetaReply",
     "compat_hash",
     "fetch_peer_metadata",
 ]
@@ -121,6 +133,7 @@ class SideChannelServer:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
+        self._own_ips: set[str] | None = set()  # None: bound to a wildcard (_owns)
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"pdserve-kv-side-channel-{port}")
         self._encoder = msgspec.msgpack.Encoder()
@@ -168,6 +181,7 @@ class SideChannelServer:
             self._ready.set()
             return
         self._thread.name = f"pdserve-kv-side-channel-{self.port}"
+        self._own_ips = _bound_ips(self.host)
         self._ready.set()
         logger.info("KV side channel listening on %s (%s)", self.address,
                     "secret required" if self._security.enabled else "NO secret")
@@ -240,9 +254,12 @@ class SideChannelServer:
             fresh = self._nonces.take(request.server_nonce, request.client_nonce)
             if not fresh:
                 return self._refuse(peer, "unknown, used or expired challenge nonce")
-            if not check_client_proof(sec, request.proof, request.server_nonce,
-                                      request.client_nonce, request.tp_rank):
+            if not check_client_proof(sec, request):
                 return self._refuse(peer, "wrong proof (kv secrets differ?)")
+            if not self._owns(request.endpoint):
+                return self._refuse(peer, f"{request.client_id or 'the client'} dialled "
+                                          f"{request.endpoint or '?'}, not this side channel "
+                                          "(a relay?)")
         try:
             meta = self._provider()
         except Exception as e:  # a provider bug is an answer, not a dead thread
@@ -254,9 +271,20 @@ class SideChannelServer:
         self.served_count += 1
         if not sec.enabled:
             return MetaReply(meta)
-        raw = self._encoder.encode(meta)
-        return SignedMetaReply(raw, server_proof(sec, request.client_nonce,
-                                                 request.server_nonce, raw))
+        return SealedMetaReply(seal_meta(sec, request, self._encoder.encode(meta)))
+
+    def _owns(self, endpoint: str) -> bool:
+        """Whether a client that dialled `endpoint` reached this very socket: our port, and
+        the address we bound (or, bound to a wildcard, an address of a local interface)."""
+        host, _, port = endpoint.rpartition(":")
+        try:
+            if int(port) != self.port:
+                return False
+            dialled = canonical_endpoint(host, self.port)
+        except ValueError:
+            return False
+        ips = self._own_ips if self._own_ips is not None else _interface_ips()
+        return any(canonical_endpoint(ip, self.port) == dialled for ip in ips)
 
     def _refuse(self, peer: str, why: str) -> ErrorReply:
         self.refused_count += 1
@@ -281,3 +309,23 @@ def _peer_address(frame: zmq.Frame) -> str:
     if isinstance(mapped, ipaddress.IPv6Address) and mapped.ipv4_mapped is not None:
         return str(mapped.ipv4_mapped)
     return addr
+
+
+def _bound_ips(host: str) -> set[str] | None:
+    """The IP addresses a socket bound to `host` listens on; None for a wildcard (any local
+    interface address, looked up when asked: interfaces come and go)."""
+    if host in ("", "*"):
+        return None
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
+    except OSError:
+        return set()
+    ips = {info[4][0] for info in infos}
+    if any(ipaddress.ip_address(ip.split("%", 1)[0]).is_unspecified for ip in ips):
+        return None
+    return ips
+
+
+def _interface_ips() -> set[str]:
+    return {a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+            if a.family in (socket.AF_INET, socket.AF_INET6)}

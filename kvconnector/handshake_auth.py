@@ -1,13 +1,20 @@
-"""The side channel's HMAC challenge–response: proofs and the server's single-use nonces.
+"""The side channel's challenge–response: proofs, the sealed metadata, the server's nonces.
 
 Used by :mod:`kvconnector.handshake` only when a KV secret is configured (see its module
-docstring for the message flow). Both proofs are :meth:`KVSecurity.mac` over length-prefixed
-parts, each under its own label, so a client proof can never be replayed as a server proof
-(or the other way round), and each binds both nonces:
+docstring for the message flow). Everything is bound to the whole exchange, the
+*transcript*: both nonces, the TP rank asked for, the endpoint the client dialled ("ip:port",
+:func:`canonical_endpoint`) and the client's id. So a relay that passes frames between a
+client and a real side channel gets nowhere: the client's proof names the relay's address,
+which the server refuses as not its own; and the metadata never crosses in clear:
 
-- client proof ``mac(b"pdserve-kv GET_META v1", server_nonce, client_nonce, tp_rank)``;
-- server proof ``mac(b"pdserve-kv META v1", client_nonce, server_nonce, meta_bytes)`` — it also
-  binds the exact metadata bytes, so nobody between the two can swap the agent blob.
+- client proof ``mac(b"pdserve-kv GET_META v2", transcript)`` (:class:`KVSecurity.mac` over
+  length-prefixed parts);
+- the server's answer is the metadata sealed with ChaCha20-Poly1305 under the one-exchange key
+  ``mac(b"pdserve-kv META key v2", transcript)``: only a holder of the secret who took part
+  in this very exchange can derive the key, so only it can read the agent blob (which carries
+  the UCX address and memory keys: whoever has it can READ and WRITE the cache), and a
+  successful open proves the server holds the secret and saw the same transcript. The key
+  is never reused (a fresh server nonce every time), so the AEAD nonce is a constant.
 
 :class:`NonceBook` is owned by the side-channel server thread (no lock). It holds at most
 ``capacity`` outstanding nonces, each for ``lifetime_s``; a nonce is taken (removed) by the
@@ -16,29 +23,67 @@ first GET_META that names it, right or wrong, so it can never be used twice.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import time
 from collections.abc import Callable
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+from kvconnector.handshake_msgs import GetMeta
 from kvconnector.security import KVSecurity
 
 NONCE_BYTES = 32
-_CLIENT_LABEL = b"pdserve-kv GET_META v1"
-_SERVER_LABEL = b"pdserve-kv META v1"
+_CLIENT_LABEL = b"pdserve-kv GET_META v2"
+_KEY_LABEL = b"pdserve-kv META key v2"
+_AAD = b"pdserve-kv SEALED_META v2"
+_AEAD_NONCE = bytes(12)  # every key seals exactly one message
 
 
 def new_nonce() -> bytes:
     return os.urandom(NONCE_BYTES)
 
 
-def client_proof(sec: KVSecurity, server_nonce: bytes, client_nonce: bytes,
-                 tp_rank: int) -> bytes:
-    return sec.mac(_CLIENT_LABEL, server_nonce, client_nonce, str(tp_rank).encode())
+def canonical_endpoint(ip: str, port: int) -> str:
+    """ "ip:port" (IPv6 as "[ip]:port", IPv4-mapped IPv6 as IPv4): one spelling per address,
+    so client and server compare and MAC the same bytes. ValueError for a non-IP host."""
+    addr = ipaddress.ip_address(ip.strip("[]").split("%", 1)[0])
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return f"[{addr}]:{port}" if addr.version == 6 else f"{addr}:{port}"
 
 
-def server_proof(sec: KVSecurity, client_nonce: bytes, server_nonce: bytes,
-                 meta_bytes: bytes) -> bytes:
-    return sec.mac(_SERVER_LABEL, client_nonce, server_nonce, meta_bytes)
+def _transcript(req: GetMeta) -> tuple[bytes, ...]:
+    return (req.server_nonce, req.client_nonce, str(req.tp_rank).encode(),
+            req.endpoint.encode(), req.client_id.encode())
+
+
+def client_proof(sec: KVSecurity, req: GetMeta) -> bytes:
+    """The proof for `req` (its own `proof` field is ignored)."""
+    return sec.mac(_CLIENT_LABEL, *_transcript(req))
+
+
+def check_client_proof(sec: KVSecurity, req: GetMeta) -> bool:
+    return sec.verify(req.proof, _CLIENT_LABEL, *_transcript(req))
+
+
+def _aead(sec: KVSecurity, req: GetMeta) -> ChaCha20Poly1305:
+    return ChaCha20Poly1305(sec.mac(_KEY_LABEL, *_transcript(req)))
+
+
+def seal_meta(sec: KVSecurity, req: GetMeta, meta_bytes: bytes) -> bytes:
+    """Server: the metadata for the exchange `req` concluded, readable only by its client."""
+    return _aead(sec, req).encrypt(_AEAD_NONCE, meta_bytes, _AAD)
+
+
+def open_meta(sec: KVSecurity, req: GetMeta, sealed: bytes) -> bytes | None:
+    """Client: the metadata sealed for `req`, or None when it was not sealed under this
+    exchange's key (another secret, another transcript, or altered on the way)."""
+    try:
+        return _aead(sec, req).decrypt(_AEAD_NONCE, sealed, _AAD)
+    except InvalidTag:
+        return None
 
 
 class NonceBook:
@@ -77,13 +122,3 @@ class NonceBook:
         for nonce, (_, expiry) in list(self._issued.items()):
             if now >= expiry:
                 del self._issued[nonce]
-
-
-def check_client_proof(sec: KVSecurity, proof: bytes, server_nonce: bytes, client_nonce: bytes,
-                       tp_rank: int) -> bool:
-    return sec.verify(proof, _CLIENT_LABEL, server_nonce, client_nonce, str(tp_rank).encode())
-
-
-def check_server_proof(sec: KVSecurity, proof: bytes, client_nonce: bytes, server_nonce: bytes,
-                       meta_bytes: bytes) -> bool:
-    return sec.verify(proof, _SERVER_LABEL, client_nonce, server_nonce, meta_bytes)

@@ -3,8 +3,10 @@
 
 Any thread may call it; each call uses its own REQ socket on the shared ZeroMQ context and
 returns or raises :class:`HandshakeError` within about ``timeout_s``. Replies are capped at
-``MAX_REPLY_BYTES``; with a secret, the server's proof is checked before its metadata is
-decoded; with an allowlist, a host outside it is refused before any connection.
+``MAX_REPLY_BYTES``. The host is resolved once and the connection made to that IP, which is
+the endpoint the proof names; with a secret, the metadata is opened (which proves the
+server) before it is decoded; with an allowlist, a host outside it is refused before any
+connection.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import NoReturn
 import msgspec
 import zmq
 
-from kvconnector.handshake_auth import check_server_proof, client_proof, new_nonce
+from kvconnector.handshake_auth import canonical_endpoint, client_proof, new_nonce, open_meta
 from kvconnector.handshake_msgs import (
     AgentMetadata,
     Challenge,
@@ -27,7 +29,7 @@ from kvconnector.handshake_msgs import (
     Hello,
     MetaReply,
     Reply,
-    SignedMetaReply,
+    SealedMetaReply,
 )
 from kvconnector.security import KVSecurity
 
@@ -38,19 +40,21 @@ MAX_REPLY_BYTES = 1 << 20  # an agent blob is a few hundred bytes to a few KB
 
 def fetch_peer_metadata(host: str, port: int, expected_compat_hash: str | None,
                         timeout_s: float = 5.0, tp_rank: int = 0,
-                        security: KVSecurity | None = None) -> AgentMetadata:
+                        security: KVSecurity | None = None,
+                        client_id: str = "") -> AgentMetadata:
     """Ask the side channel at host:port for its metadata; raise HandshakeError on any failure.
 
     ``expected_compat_hash=None`` skips the compatibility check (tools only). With
-    ``security.secret`` the exchange is the challenge–response and the server must prove the
-    secret too; with ``security.allowlist`` a host outside it is refused before connecting.
+    ``security.secret`` the exchange is the challenge–response, bound to the address
+    connected to and to ``client_id`` (who asks: our agent name), and the server must prove
+    the secret too; with ``security.allowlist`` a host outside it is refused before connecting.
     """
     sec = security or KVSecurity()
     peer = f"{host}:{port}"
     deadline = time.monotonic() + timeout_s
-    _check_allowed(host, port, sec, peer)
-    _probe_tcp(host, port, timeout_s, peer)
-    with _Exchange(host, port, peer, deadline, timeout_s) as ex:
+    ip = _resolve(host, port, sec, peer)
+    _probe_tcp(ip, port, timeout_s, peer)
+    with _Exchange(ip, port, peer, deadline, timeout_s) as ex:
         if not sec.enabled:
             reply = ex.ask(GetMeta(tp_rank=tp_rank))
         else:
@@ -58,16 +62,18 @@ def fetch_peer_metadata(host: str, port: int, expected_compat_hash: str | None,
             challenge = ex.ask(Hello(cnonce))
             if not isinstance(challenge, Challenge):
                 _raise_for(peer, challenge, "a CHALLENGE")
-            snonce = challenge.server_nonce
-            reply = ex.ask(GetMeta(tp_rank, cnonce, snonce,
-                                   client_proof(sec, snonce, cnonce, tp_rank)))
-            if not isinstance(reply, SignedMetaReply):
-                _raise_for(peer, reply, "SIGNED_META")
-            if not check_server_proof(sec, reply.proof, cnonce, snonce, reply.meta):
+            ask = GetMeta(tp_rank, cnonce, challenge.server_nonce,
+                          endpoint=canonical_endpoint(ip, port), client_id=client_id)
+            ask = msgspec.structs.replace(ask, proof=client_proof(sec, ask))
+            reply = ex.ask(ask)
+            if not isinstance(reply, SealedMetaReply):
+                _raise_for(peer, reply, "SEALED_META")
+            raw = open_meta(sec, ask, reply.sealed)
+            if raw is None:
                 raise HandshakeError(peer, "bad proof", "the peer does not prove the kv secret "
                                      "(different secret, or not a real engine)")
             try:
-                reply = MetaReply(msgspec.msgpack.decode(reply.meta, type=AgentMetadata))
+                reply = MetaReply(msgspec.msgpack.decode(raw, type=AgentMetadata))
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 raise HandshakeError(peer, "bad reply", str(e)) from None
     if not isinstance(reply, MetaReply):
@@ -172,18 +178,21 @@ class _Exchange:
         self.sock.close()
 
 
-def _check_allowed(host: str, port: int, sec: KVSecurity, peer: str) -> None:
-    """Every address `host` resolves to must be inside the allowlist (when one is set)."""
-    if not sec.allowlist:
-        return
+def _resolve(host: str, port: int, sec: KVSecurity, peer: str) -> str:
+    """The IP to connect to (the first `host` resolves to); every address it resolves to
+    must be inside the allowlist, and the port inside kv_peer_ports (when set)."""
+    if sec.ports and not any(lo <= port <= hi for lo, hi in sec.ports):
+        raise HandshakeError(peer, "not allowed", f"port {port} is not in kv_peer_ports")
     try:
-        addrs = {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
     except OSError as e:
         raise HandshakeError(peer, "unreachable", f"cannot resolve: {e}") from None
-    outside = sorted(a for a in addrs if not sec.allows(a))
+    addrs = [info[4][0] for info in infos]
+    outside = sorted({a for a in addrs if not sec.allows(a)})
     if outside or not addrs:
         raise HandshakeError(peer, "not allowed",
                              f"address {', '.join(outside) or host} is not in kv_peer_allowlist")
+    return addrs[0]
 
 
 def _probe_tcp(host: str, port: int, timeout_s: float, peer: str) -> None:

@@ -17,6 +17,8 @@ _NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 _Pos = Annotated[int, msgspec.Meta(ge=1)]
 _Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
 _Opt = Annotated[bytes, msgspec.Meta(max_length=64)]
+_Endpoint = Annotated[str, msgspec.Meta(max_length=64)]  # "ip:port" / "[ip6]:port"
+_ClientId = Annotated[str, msgspec.Meta(max_length=256)]
 
 
 class AgentMetadata(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -58,12 +60,15 @@ class Hello(msgspec.Struct, tag="HELLO", forbid_unknown_fields=True, frozen=True
 
 class GetMeta(msgspec.Struct, tag="GET_META", forbid_unknown_fields=True, frozen=True):
     """Request: the metadata of rank ``tp_rank`` behind this side channel. With a secret the
-    nonces of the exchange and the client's proof (empty without one)."""
+    nonces of the exchange, the address the client dialled (``endpoint``, "ip:port"), who asks
+    (``client_id``, its agent name) and the client's proof over all of them (empty without)."""
 
     tp_rank: _NonNeg = 0
     client_nonce: _Opt = b""
     server_nonce: _Opt = b""
     proof: _Opt = b""
+    endpoint: _Endpoint = ""
+    client_id: _ClientId = ""
 
 
 Request = Hello | GetMeta
@@ -77,9 +82,11 @@ class MetaReply(msgspec.Struct, tag="META", frozen=True):
     meta: AgentMetadata
 
 
-class SignedMetaReply(msgspec.Struct, tag="SIGNED_META", frozen=True):
-    meta: bytes  # msgpack AgentMetadata, exactly the bytes the proof covers
-    proof: bytes
+class SealedMetaReply(msgspec.Struct, tag="SEALED_META", frozen=True):
+    """With a secret: msgpack AgentMetadata encrypted and authenticated under a key only
+    holders of the secret can derive for this one exchange (:mod:`handshake_auth`)."""
+
+    sealed: bytes
 
 
 class ErrorReply(msgspec.Struct, tag="ERROR", frozen=True):
@@ -87,7 +94,7 @@ class ErrorReply(msgspec.Struct, tag="ERROR", frozen=True):
     code: str = ""  # "refused": no or bad proof / address; "no_secret": we hold no secret
 
 
-Reply = Challenge | MetaReply | SignedMetaReply | ErrorReply
+Reply = Challenge | MetaReply | SealedMetaReply | ErrorReply
 
 
 class HandshakeError(RuntimeError):

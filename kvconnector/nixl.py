@@ -40,7 +40,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +58,6 @@ class TransferError(RuntimeError):
     """A transfer or notification could not be submitted; the message names the peer."""
 
 
-MAX_AGENT_BINDINGS = 4096
 
 
 class PeerConflict(TransferError):
@@ -144,9 +142,6 @@ class NixlTransport:
         self._lock = threading.RLock()
         self._peers: dict[str, _Peer] = {}
         self.refused_peers = 0  # blobs refused by add_peer (PeerConflict)
-        # agent name -> the address it was first loaded from; outlives remove_peer (an idle
-        # peer dropped must not free its name for an impostor), bounded LRU
-        self._bindings: OrderedDict[str, str | None] = OrderedDict()
         self._live: set[XferHandle] = set()
         self._closed = False
 
@@ -177,12 +172,15 @@ class NixlTransport:
     def add_peer(self, meta: AgentMetadata, source: str | None = None) -> str:
         """Load a peer's metadata and prepare its block descriptors. Idempotent per blob.
 
-        ``source`` is the side-channel address ("host:port") the metadata came from. An agent
-        name is bound to the first address it was loaded from: a blob for a loaded name from
+        ``source`` is the side-channel address ("host:port") the metadata came from. While an
+        agent is loaded its name is bound to that address: a blob for a loaded name from
         another address is refused with :class:`PeerConflict` (counted in
         ``refused_peers``) and the loaded peer stays — otherwise anyone serving a blob under
         a real engine's agent name (named in a PUSH_REG) would have our next WRITE for that
-        engine land in its memory. The same address may replace the blob (a restart)."""
+        engine land in its memory. The same address may replace the blob (a restart). The
+        binding ends with the peer (:meth:`remove_peer`): a name is never held for an
+        address that no longer serves it, so a peer that was dropped — an impostor, a relay,
+        a restarted engine on another port — cannot keep the real one out."""
         layout = self._other_heads(meta)
         if meta.physical_blocks_per_logical != 1 or (
                 layout is None and meta.bytes_per_block != self.bytes_per_block):
@@ -194,7 +192,7 @@ class NixlTransport:
             old = self._peers.get(meta.agent_name)
             if old is not None and old.meta.agent_blob == meta.agent_blob:
                 return meta.agent_name
-            bound = self._bindings.get(meta.agent_name, source)
+            bound = old.source if old is not None else source
             if source != bound:
                 self.refused_peers += 1
                 raise PeerConflict(
@@ -213,10 +211,6 @@ class NixlTransport:
                 name, _block_descs(meta.base_addr, meta.num_blocks, meta.bytes_per_block,
                                    meta.device_id), meta.mem_type)
             self._peers[name] = _Peer(meta, dlist, source, layout)
-            self._bindings[name] = source
-            self._bindings.move_to_end(name)
-            while len(self._bindings) > MAX_AGENT_BINDINGS:
-                self._bindings.popitem(last=False)
         logger.info("NIXL %s: added peer %s (engine %r, %d blocks) from %s", self.name, name,
                     meta.engine_id, meta.num_blocks, source or "?")
         return name

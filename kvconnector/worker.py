@@ -117,7 +117,8 @@ class NixlWorker(KVConnectorWorker):
         with self.refused_handshakes:
             return fetch_peer_metadata(
                 host, port, self.compat, _HANDSHAKE_TIMEOUT_S,
-                tp_rank=self.tp_rank if tp_rank is None else tp_rank, security=self.security)
+                tp_rank=self.tp_rank if tp_rank is None else tp_rank, security=self.security,
+                client_id=self.transport.name if self.transport is not None else "")
 
     def for_rank(self, metadata: Any) -> Any:
         """This rank's view of the scheduler's metadata (a mode points it at its peer rank)."""

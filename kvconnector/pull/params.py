@@ -60,6 +60,7 @@ def request_params_validator(config: Any, wall_clock: Callable[[], float] = time
     def validate(params: dict[str, Any], prompt_token_ids: Sequence[int]) -> None:
         leg = validate_request_params(params)
         if isinstance(leg, PullDecodeLeg):
+            security.check_side_channel(leg.remote_host, leg.remote_port)  # before any dial
             if leg.tp_size != 1:  # pull engines run at TP 1 only (engine/config.py)
                 raise ValueError(f"kv_transfer_params.tp_size: pull mode reads only from a "
                                  f"prefill engine of tensor_parallel_size 1, not {leg.tp_size} "

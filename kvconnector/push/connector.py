@@ -23,10 +23,31 @@ from kvconnector.push.receiver import Receiver
 from kvconnector.push.scheduler import PushScheduler
 from kvconnector.push.sender import Sender, SenderStats
 from kvconnector.push.writer import PushWriter
+from kvconnector.security import KVSecurity
 from kvconnector.worker import NixlWorker
 
 __all__ = ["PushWorker", "make", "make_scheduler", "make_worker",
            "request_params_validator"]
+
+
+DEFAULT_UNKNOWN_TRANSFER_TIMEOUT_S = 10.0
+# Fields of a pull-mode D leg (P's answer) that mean nothing to a push D: a leg carrying one
+# was meant for a pull deployment (or made up) and is refused at admission.
+PULL_ONLY_FIELDS = ("remote_request_id", "remote_block_ids", "num_prompt_tokens",
+                    "lease_expires_at", "signature")
+
+
+def unknown_transfer_timeout(config: EngineConfig) -> float:
+    """`push_unknown_transfer_timeout` (seconds): how long P holds a registration for a
+    transfer none of its requests carries before it answers PUSH_FAIL (docs/security.md)."""
+    kv = config.kv_transfer_config
+    assert kv is not None
+    value = kv.extra("push_unknown_transfer_timeout", DEFAULT_UNKNOWN_TRANSFER_TIMEOUT_S)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            0 < value < float("inf")):
+        raise ValueError(f"push_unknown_transfer_timeout must be a positive number of seconds, "
+                         f"not {value!r}")
+    return float(value)
 
 
 class PushWorker(NixlWorker):
@@ -34,13 +55,18 @@ class PushWorker(NixlWorker):
     prune_idle_peers = True
     meta_type = PushMeta
 
+    def __init__(self, config: EngineConfig, spec: KVCacheSpec,
+                 endpoint: Endpoint | None = None, tp_rank: int = 0) -> None:
+        super().__init__(config, spec, endpoint, tp_rank)
+        self.unknown_timeout = unknown_transfer_timeout(config)
+
     def make_thread(self, transport: NixlTransport, peers: Peers, wake: threading.Event,
                     clock: Callable[[], float]) -> PushWriter:
         ep = self.endpoint
         sender = Sender(transport, peers, clock, lease=self.lease, ttl=self.ttl,
                         tp_size=self.tp_size, bytes_per_block=self.spec.bytes_per_block,
                         stats=SenderStats(), num_blocks=transport.num_blocks,
-                        tp_rank=self.tp_rank)
+                        tp_rank=self.tp_rank, unknown_timeout=self.unknown_timeout)
         # D's rank r registers with, and heartbeats, every P rank holding heads of rank r,
         # at P's kv_port + that rank (docs/design.md §8)
         identity = {"decode_engine_id": ep.engine_id, "decode_host": ep.host,
@@ -78,13 +104,27 @@ def request_params_validator(config: EngineConfig
 
     tp_size = config.tensor_parallel_size
     kv_heads = load_arch(config.model).num_kv_heads
+    security = KVSecurity.from_config(config.kv_transfer_config, warn=False)
 
     def validate(params: dict[str, Any], prompt_token_ids: Sequence[int]) -> None:
         leg = decode(params, "push")
-        if isinstance(leg, PushDecodeLeg) and leg.tp_size != tp_size:
-            check_tp_pair(leg.tp_size, tp_size, kv_heads)
+        if isinstance(leg, PushDecodeLeg):
+            refuse_pull_fields(params)
+            security.check_side_channel(leg.remote_host, leg.remote_port)  # before any dial
+            if leg.tp_size != tp_size:
+                check_tp_pair(leg.tp_size, tp_size, kv_heads)
 
     return validate
+
+
+def refuse_pull_fields(params: dict[str, Any]) -> None:
+    """A push D leg carrying a pull-mode field (P's answer naming its blocks) is a 400 naming
+    it: a push D would register with P under an id no P request has and wait for nothing."""
+    pull = next((name for name in PULL_ONLY_FIELDS if name in params), None)
+    if pull is not None:
+        raise ValueError(f"kv_transfer_params.{pull}: a pull-mode field; this decode engine "
+                         f"runs push mode, where the prefill engine writes the KV: a D leg "
+                         f"names the prefill engine and a transfer_id only")
 
 
 def check_tp_pair(p_size: int, d_size: int, kv_heads: int) -> None:

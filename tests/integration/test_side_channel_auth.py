@@ -8,6 +8,7 @@ does not know the secret or that answers with 256 MiB.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import subprocess
@@ -29,11 +30,11 @@ from kvconnector.handshake import (
     Hello,
     MetaReply,
     Reply,
+    SealedMetaReply,
     SideChannelServer,
-    SignedMetaReply,
     fetch_peer_metadata,
 )
-from kvconnector.handshake_auth import NonceBook, client_proof, new_nonce
+from kvconnector.handshake_auth import NonceBook, client_proof, new_nonce, open_meta
 from kvconnector.security import KVSecurity
 
 pytestmark = pytest.mark.timeout(60)
@@ -95,19 +96,67 @@ def test_a_challenge_nonce_works_once_and_only_for_its_client_nonce(server):
     cnonce = new_nonce()
     (challenge,) = _raw(server.port, Hello(cnonce))
     assert isinstance(challenge, Challenge)
-    snonce = challenge.server_nonce
-    good = GetMeta(0, cnonce, snonce, client_proof(SECRET, snonce, cnonce, 0))
+    good = _proven(GetMeta(0, cnonce, challenge.server_nonce, endpoint=_here(server)))
     first, replay = _raw(server.port, good, good)
-    assert isinstance(first, SignedMetaReply)
+    assert isinstance(first, SealedMetaReply)
     assert isinstance(replay, ErrorReply) and "nonce" in replay.message
     # A nonce issued to one client nonce is no good with another, even with a valid proof.
     (challenge,) = _raw(server.port, Hello(cnonce))
-    other = new_nonce()
-    snonce = challenge.server_nonce
-    (reply,) = _raw(server.port, GetMeta(0, other, snonce, client_proof(SECRET, snonce, other,
-                                                                         0)))
+    (reply,) = _raw(server.port, _proven(GetMeta(0, new_nonce(), challenge.server_nonce,
+                                                 endpoint=_here(server))))
     assert isinstance(reply, ErrorReply) and reply.code == "refused"
     assert server.refused_count == 2 and server.served_count == 1
+
+
+def _here(server: SideChannelServer) -> str:
+    return f"127.0.0.1:{server.port}"
+
+
+def _proven(req: GetMeta, sec: KVSecurity = SECRET) -> GetMeta:
+    return msgspec.structs.replace(req, proof=client_proof(sec, req))
+
+
+def test_the_metadata_never_crosses_in_clear_and_opens_only_for_its_exchange(server):
+    """What a relay or an observer of the side channel sees is ciphertext: the agent blob
+    (UCX address and memory keys) is not in the reply, and another exchange's key, or the
+    right transcript under another secret, does not open it."""
+    cnonce = new_nonce()
+    (challenge,) = _raw(server.port, Hello(cnonce))
+    ask = _proven(GetMeta(0, cnonce, challenge.server_nonce, endpoint=_here(server),
+                          client_id="D0-tp0"))
+    (reply,) = _raw(server.port, ask)
+    assert isinstance(reply, SealedMetaReply)
+    assert META.agent_blob not in reply.sealed and b"P0-tp0" not in reply.sealed
+    opened = open_meta(SECRET, ask, reply.sealed)
+    assert opened is not None and msgspec.msgpack.decode(opened, type=AgentMetadata) == META
+    assert open_meta(WRONG, ask, reply.sealed) is None
+    for changed in ({"client_id": "rogue-tp0"}, {"endpoint": "127.0.0.1:1"},
+                    {"client_nonce": new_nonce()}):
+        assert open_meta(SECRET, msgspec.structs.replace(ask, **changed), reply.sealed) is None
+
+
+@pytest.mark.parametrize("endpoint", ["127.0.0.2:{port}", "127.0.0.1:1", "", "not-an-ip:{port}",
+                                      "10.1.2.3:{port}"])
+def test_a_proof_for_another_endpoint_is_refused_and_counted(server, endpoint):
+    """The proof names the address the client dialled; a side channel answers only a client
+    that dialled it (a relay makes the client name the relay)."""
+    cnonce = new_nonce()
+    (challenge,) = _raw(server.port, Hello(cnonce))
+    (reply,) = _raw(server.port, _proven(GetMeta(0, cnonce, challenge.server_nonce,
+                                                 endpoint=endpoint.format(port=server.port))))
+    assert isinstance(reply, ErrorReply) and reply.code == "refused"
+    assert "not this side channel" in reply.message
+    assert server.refused_count == 1 and server.served_count == 0
+
+
+def test_a_side_channel_bound_to_a_wildcard_owns_its_interfaces_only():
+    with SideChannelServer("0.0.0.0", 0, lambda: META, SECRET) as s:
+        assert fetch_peer_metadata("127.0.0.1", s.port, "c0ffee", 3.0, security=SECRET) == META
+        cnonce = new_nonce()
+        (challenge,) = _raw(s.port, Hello(cnonce))
+        (reply,) = _raw(s.port, _proven(GetMeta(0, cnonce, challenge.server_nonce,
+                                                endpoint=f"192.0.2.7:{s.port}")))
+        assert isinstance(reply, ErrorReply) and reply.code == "refused"
 
 
 def test_server_nonces_expire_and_stay_bounded_in_count():
@@ -156,7 +205,7 @@ def test_without_a_secret_both_sides_behave_as_before(server):
 # whatever MODE says (a forged, unsigned or huge reply).
 FAKE_SERVER = r"""
 import sys, msgspec, zmq
-from kvconnector.handshake import Challenge, MetaReply, SignedMetaReply
+from kvconnector.handshake import Challenge, MetaReply, SealedMetaReply
 from kvconnector.handshake_msgs import AgentMetadata
 mode, meta = sys.argv[1], msgspec.msgpack.decode(bytes.fromhex(sys.argv[2]), type=AgentMetadata)
 sock = zmq.Context.instance().socket(zmq.ROUTER)
@@ -169,7 +218,7 @@ while True:
     elif mode == "huge":
         reply = b"\0" * (256 << 20)
     elif mode == "forged":
-        reply = msgspec.msgpack.encode(SignedMetaReply(msgspec.msgpack.encode(meta), b"x" * 32))
+        reply = msgspec.msgpack.encode(SealedMetaReply(msgspec.msgpack.encode(meta) + b"x" * 16))
     else:
         reply = msgspec.msgpack.encode(MetaReply(meta))
     sock.send_multipart([ident, empty, reply])
@@ -214,3 +263,38 @@ def test_a_huge_handshake_reply_fails_fast_with_bounded_memory(fake_server):
     assert elapsed < 10.0, elapsed  # the connection drop ends it, not the 30 s timeout
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
     assert grown_mib < 32, f"the client grew by {grown_mib:.0f} MiB"
+
+
+RELAY = os.path.join(os.path.dirname(__file__), "..", "kv_relay.py")
+
+
+@contextlib.contextmanager
+def relay_to(port: int, record: str) -> Iterator[int]:
+    """A relay process in front of the side channel on `port` (tests/kv_relay.py)."""
+    proc = subprocess.Popen([sys.executable, RELAY, "127.0.0.1", str(port), record],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        yield int(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_relayed_handshake_is_refused_and_the_relay_keeps_no_metadata(server, tmp_path):
+    """Issue 26, finding 1: a client holding the secret dials a relay that passes each frame
+    to the real side channel. Before the fix both ends accepted and SIGNED_META crossed the
+    relay in clear; now the server refuses (the proof names the relay's address), the relay
+    records a CHALLENGE and a refusal only, and a direct handshake beside it succeeds."""
+    record = str(tmp_path / "relay.hex")
+    with relay_to(server.port, record) as relay_port:
+        with pytest.raises(HandshakeError) as e:
+            fetch_peer_metadata("127.0.0.1", relay_port, None, 3.0, security=SECRET,
+                                client_id="D0-tp0")
+    assert e.value.cause == "refused" and "not this side channel" in str(e.value)
+    with open(record) as f:
+        seen = [msgspec.msgpack.decode(bytes.fromhex(line), type=Reply) for line in f]
+    assert [type(r) for r in seen] == [Challenge, ErrorReply]
+    assert all(META.agent_blob not in bytes.fromhex(line) for line in open(record))
+    assert server.refused_count == 1 and server.served_count == 0
+    assert fetch_peer_metadata("127.0.0.1", server.port, "c0ffee", 3.0, security=SECRET) == META
