@@ -82,6 +82,13 @@ class EngineConfig:
     data_parallel_rank: int | None = None
     data_parallel_external_lb: bool = False
     data_parallel_lockstep: bool = False
+    # Deadlines on waits that cross a process (engine/core/liveness.py, startup.py): a core
+    # or TP worker silent for heartbeat_timeout_s is hung (stopped, frozen); a step that has
+    # not returned after step_timeout_s is stuck; each start-up stage has its own deadline
+    # (startup_stage_timeout_s, when given, replaces every one of them).
+    heartbeat_timeout_s: float = 30.0
+    step_timeout_s: float = 900.0
+    startup_stage_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         from engine.models.source import resolve_model
@@ -106,6 +113,10 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1, got "
                              f"{self.tensor_parallel_size}")
+        for name in ("heartbeat_timeout_s", "step_timeout_s", "startup_stage_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
         if isinstance(self.kv_transfer_config, (str, dict)):
             object.__setattr__(
                 self, "kv_transfer_config", KVTransferConfig.from_json(self.kv_transfer_config)

@@ -35,6 +35,17 @@ class AsyncMPClient(MPClientBase, AsyncEngineCoreClient):
         self._utility_results: dict[int, asyncio.Future] = {}
         self._reader_task: asyncio.Task | None = None
 
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        # Asked from the event loop (a /health check) before any request: start the reader,
+        # which alone reads heartbeats, so a core stopped while idle is noticed too.
+        if self._loop is None:
+            try:
+                self._start()
+            except RuntimeError:
+                pass  # no running loop here: the first request starts it
+        return super().dead_error
+
     def _start(self) -> None:
         loop = asyncio.get_running_loop()
         if self._loop is None:
@@ -65,6 +76,8 @@ class AsyncMPClient(MPClientBase, AsyncEngineCoreClient):
                     while sock.poll(timeout=0):
                         self._dispatch(sock.recv_multipart(copy=False))
                     self._mark_dead(EngineDeadError(self._exit_reason()))
+                elif (silent := self.check_silence()) is not None:
+                    self._mark_dead(silent)
         except EngineDeadError as e:
             self._mark_dead(e)
         except asyncio.CancelledError:

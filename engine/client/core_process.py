@@ -46,10 +46,16 @@ from engine.core.messages import (
     encode_handshake,
     engine_identity,
 )
+from engine.core.startup import (
+    EXIT_STARTUP_STALLED,
+    StartupStalled,
+    frontend_start_deadline,
+    stage_deadline,
+)
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_STARTUP_TIMEOUT_S = 600.0
+DEFAULT_STARTUP_TIMEOUT_S: float | None = None  # None: the start-up stages' deadlines only
 MAIN_GUARD_HINT = ("the engine core runs in a spawned process, which imports your main script "
                    "again: put the code that creates the engine (LLM(...), AsyncLLM(...)) under "
                    "`if __name__ == \"__main__\":`, or pass multiprocess=False")
@@ -72,7 +78,6 @@ def _main_is_a_script() -> bool:
     import sys
 
     return bool(getattr(sys.modules.get("__main__"), "__file__", None))
-_REGISTRATION_TIMEOUT_S = 30.0
 
 
 def exit_code(proc: multiprocessing.process.BaseProcess, grace_s: float = 1.0) -> int | None:
@@ -120,10 +125,14 @@ class CoreProcess:
         engine_index: int = 0,
         use_tcp: bool = False,
         host: str = "127.0.0.1",
-        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        startup_timeout_s: float | None = DEFAULT_STARTUP_TIMEOUT_S,
         coordinator: Any = None,
     ) -> None:
-        """`coordinator`: the DP coordinator's addresses (engine.dp.coordinator), or None."""
+        """`coordinator`: the DP coordinator's addresses (engine.dp.coordinator), or None.
+        Start-up runs as stages with deadlines (engine/core/startup.py): engine_core_spawn
+        (until HELLO), engine_core_start (until READY; the core's own stages end it sooner),
+        engine_core_registration; `startup_timeout_s`, when given, caps the whole."""
+        self._stage_override = config.startup_stage_timeout_s
         refuse_inside_spawn_import()
         self._coordinator = coordinator
         self.engine_index = engine_index
@@ -193,19 +202,33 @@ class CoreProcess:
             sock.bind(f"tcp://{host}:*")
         return sock
 
-    def _wait_readable(self, sock: zmq.Socket, deadline: float, what: str) -> None:
-        """Poll `sock`; fail fast when the child exits, and at the deadline."""
+    def _deadline(self, stage: str, cap: float | None) -> tuple[str, float, float]:
+        """(stage, when it must be over, its seconds)."""
+        seconds = (frontend_start_deadline(self._stage_override) if stage == "engine_core_start"
+                   else stage_deadline(stage, self._stage_override))
+        deadline = time.monotonic() + seconds
+        return stage, deadline if cap is None else min(deadline, cap), seconds
+
+    def _wait_readable(self, sock: zmq.Socket, stage: tuple[str, float, float],
+                       what: str) -> None:
+        """Poll `sock`; fail fast when the child exits, and at the stage's deadline."""
+        name, deadline, seconds = stage
         while not sock.poll(timeout=100):
-            if self.proc.exitcode is not None:
+            code = self.proc.exitcode
+            if code is not None:
                 hint = (f" (its error is above; if it is UnguardedMainError: {MAIN_GUARD_HINT})"
                         if _main_is_a_script() else "")
+                if code == EXIT_STARTUP_STALLED:
+                    hint = " (a start-up stage of the engine core stalled: see its log above)"
                 raise RuntimeError(f"engine core {self.engine_index} (pid {self.proc.pid}) "
-                                   f"exited with code {self.proc.exitcode} while {what}{hint}")
+                                   f"exited with code {code} while {what}{hint}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"engine core {self.engine_index}: timed out {what}")
+                raise StartupStalled(f"engine core {self.engine_index} (pid {self.proc.pid})",
+                                     name, seconds)
 
-    def _handshake(self, sock: zmq.Socket, timeout_s: float) -> HandshakeReady:
-        deadline = time.monotonic() + timeout_s
+    def _handshake(self, sock: zmq.Socket, timeout_s: float | None) -> HandshakeReady:
+        cap = None if timeout_s is None else time.monotonic() + timeout_s
+        stage = self._deadline("engine_core_spawn", cap)
         init = HandshakeInit(
             input_address=self.input_socket.getsockopt_string(zmq.LAST_ENDPOINT),
             output_address=self.output_socket.getsockopt_string(zmq.LAST_ENDPOINT),
@@ -214,7 +237,7 @@ class CoreProcess:
             init.coordinator_engine_in = self._coordinator.engine_in
             init.coordinator_wave_pub = self._coordinator.wave_pub
         while True:
-            self._wait_readable(sock, deadline, "waiting for the handshake")
+            self._wait_readable(sock, stage, "waiting for the handshake")
             frames = sock.recv_multipart()
             if len(frames) != 2 or frames[0] != self.identity:
                 logger.warning("handshake: dropped a message from unexpected peer %r",
@@ -228,6 +251,7 @@ class CoreProcess:
                 continue
             if isinstance(msg, HandshakeHello):
                 sock.send_multipart([self.identity, encode_handshake(init)])
+                stage = self._deadline("engine_core_start", cap)
             elif isinstance(msg, HandshakeReady):
                 return msg
             elif isinstance(msg, HandshakeFailed):
@@ -238,11 +262,18 @@ class CoreProcess:
                                    f"message {msg!r}")
 
     def _await_registration(self) -> None:
-        deadline = time.monotonic() + _REGISTRATION_TIMEOUT_S
-        self._wait_readable(self.input_socket, deadline, "waiting for the input registration")
+        self._wait_readable(self.input_socket, self._deadline("engine_core_registration", None),
+                            "waiting for the input registration")
         frames = self.input_socket.recv_multipart()
         if frames[0] != self.identity:
             raise RuntimeError(f"input registration from unexpected peer {frames[0]!r}")
+
+    def kill(self) -> None:
+        """SIGKILL the core (also when it is stopped): a core declared hung stays dead. Its
+        exit then reaches `watch` like any other; TP workers follow their parent."""
+        if self.proc.exitcode is None:
+            logger.error("engine core %d (pid %d): killing it", self.engine_index, self.proc.pid)
+            self.proc.kill()
 
     def watch(self, on_exit: Callable[[int | None], Any]) -> None:
         """Call `on_exit(exitcode)` from a monitor thread when the child exits unasked."""

@@ -1,11 +1,18 @@
 """What the sync and async multiprocess clients share: the core process, encoding, decoding
-of outputs (the ENGINE_CORE_DEAD sentinel included) and death bookkeeping."""
+of outputs (the ENGINE_CORE_DEAD sentinel and heartbeats included) and death bookkeeping.
+
+Silence (engine/core/liveness.py): the core sends a heartbeat every interval, so a core the
+client has heard nothing from for `config.heartbeat_timeout_s` — while its output socket holds
+nothing unread — is stopped or frozen: `check_silence()` kills it (SIGKILL: it stays dead
+after a SIGCONT) and returns the EngineDeadError naming why; the readers call it on every
+idle poll."""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import threading
+import time
 from typing import Any
 
 import msgspec
@@ -14,13 +21,20 @@ import zmq
 from engine.client.base import EngineCoreClient, EngineDeadError
 from engine.client.core_process import DEFAULT_STARTUP_TIMEOUT_S, CoreProcess
 from engine.config import EngineConfig
-from engine.core.messages import ENGINE_CORE_DEAD
+from engine.core.messages import (
+    ENGINE_CORE_DEAD,
+    HEARTBEAT_SIZE,
+    MAX_DEAD_REASON,
+    decode_dead,
+    decode_heartbeat,
+)
 from engine.protocol import EngineCoreOutputs, EngineCoreRequestType, UtilityOutput
 from engine.serial import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
 
 POLL_MS = 100  # how often readers look at the process-exit flag while idle
+_MAX_SENTINEL = len(ENGINE_CORE_DEAD) + 1 + MAX_DEAD_REASON  # a longer frame is outputs
 
 
 class UtilityCallError(RuntimeError):
@@ -65,6 +79,9 @@ class MPClientBase(EngineCoreClient):
         self._dead: EngineDeadError | None = None
         self._exited = threading.Event()
         self._shut_down = False
+        self.heartbeat_timeout_s = config.heartbeat_timeout_s
+        self._last_heard = time.monotonic()
+        self.last_step_age_s = 0.0  # from the last heartbeat: how long the step had run
         self.core.watch(lambda code: self._exited.set())
 
     # -- shared helpers -------------------------------------------------------------------
@@ -92,14 +109,20 @@ class MPClientBase(EngineCoreClient):
         return [self.core.identity, kind.value, *self.encoder.encode(obj)]
 
     def _decode(self, frames: list[zmq.Frame]) -> EngineCoreOutputs | None:
-        """Outputs, or None for a malformed message (counted, logged, dropped).
+        """Outputs, or None for a heartbeat or a malformed message (counted, logged,
+        dropped). Any message proves the core alive.
 
         Raises EngineDeadError when the frames are the ENGINE_CORE_DEAD sentinel.
         """
-        if len(frames) == 1 and frames[0].buffer.nbytes == len(ENGINE_CORE_DEAD):
-            if bytes(frames[0].buffer) == ENGINE_CORE_DEAD:
+        self._last_heard = time.monotonic()
+        if len(frames) == 1 and frames[0].buffer.nbytes <= _MAX_SENTINEL:
+            head = bytes(frames[0].buffer)
+            if len(head) == HEARTBEAT_SIZE and (beat := decode_heartbeat(head)) is not None:
+                self.last_step_age_s = beat[0]
+                return None
+            if (reason := decode_dead(head)) is not None:
                 raise EngineDeadError(f"engine core {self.engine_index} (pid {self.core.pid}) "
-                                      "hit a fatal error (ENGINE_CORE_DEAD)")
+                                      f"hit a fatal error: {reason or 'ENGINE_CORE_DEAD'}")
         try:
             return self.decoder.decode(frames)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -107,6 +130,20 @@ class MPClientBase(EngineCoreClient):
             logger.warning("engine %d: dropped malformed output message: %s",
                            self.engine_index, e)
             return None
+
+    def check_silence(self) -> EngineDeadError | None:
+        """Reader only, after a poll found nothing unread: the error naming why the core is
+        declared dead when it has been silent past the heartbeat timeout (it is killed)."""
+        silent = time.monotonic() - self._last_heard
+        if silent <= self.heartbeat_timeout_s or self._shut_down or self._exited.is_set():
+            return None
+        reason = (f"engine core {self.engine_index} (pid {self.core.pid}) is not responding: "
+                  f"no heartbeat for {silent:.1f}s (heartbeat_timeout_s "
+                  f"{self.heartbeat_timeout_s:g}; the process is stopped or frozen); it was "
+                  "killed and its requests failed")
+        logger.error("%s", reason)
+        self.core.kill()
+        return EngineDeadError(reason)
 
     @staticmethod
     def _utility_result(method: str, out: UtilityOutput) -> Any:

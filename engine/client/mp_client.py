@@ -9,7 +9,9 @@
 Death (invariant 5, nothing hangs): the client notices
 - the ENGINE_CORE_DEAD sentinel on the output socket, and
 - the core process exiting for any reason (watched through its process sentinel; after
-  an exit the reader first drains what the engine sent before dying).
+  an exit the reader first drains what the engine sent before dying), and
+- the core's silence: no heartbeat for `heartbeat_timeout_s` (stopped or frozen; it is
+  killed: mp_base.check_silence).
 Then every waiter — `get_output*`, utility calls — raises EngineDeadError at once, and every
 later call raises it immediately. `shutdown()` does the same for waiters and leaves no
 child process, socket or IPC file behind.
@@ -59,6 +61,9 @@ class SyncMPClient(MPClientBase, SyncEngineCoreClient):
                     while sock.poll(timeout=0):
                         self._dispatch(sock.recv_multipart(copy=False))
                     self._mark_dead(EngineDeadError(self._exit_reason()))
+                    return
+                elif (silent := self.check_silence()) is not None:
+                    self._mark_dead(silent)
                     return
         except EngineDeadError as e:
             self._mark_dead(e)

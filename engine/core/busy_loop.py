@@ -67,6 +67,7 @@ class EngineCoreLoop:
         self.aborts_queue: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
         self.output_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.num_steps = 0
+        self.step_started: float | None = None  # monotonic start of the step in progress
         self.num_malformed_inputs = 0  # bumped by the input thread (single writer)
         self._stopping = False
         self._drain_deadline: float | None = None
@@ -122,7 +123,11 @@ class EngineCoreLoop:
         if self.on_step is not None:
             self.on_step(self.core.scheduler.make_stats())
         started = time.perf_counter()
-        outputs = self.core.step()
+        self.step_started = time.monotonic()
+        try:
+            outputs = self.core.step()
+        finally:
+            self.step_started = None
         self.num_steps += 1
         if self.on_step is not None:
             self.on_step(outputs.scheduler_stats)

@@ -7,6 +7,7 @@ caller's thread in-process, the busy-loop thread in EngineCoreProc).
 from __future__ import annotations
 
 import base64
+import contextlib
 import gc
 import logging
 import time
@@ -26,6 +27,7 @@ from engine.sched.scheduler import Scheduler
 from engine.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
+    from engine.core.startup import StartupWatch
     from engine.executor.multiproc import MultiprocExecutor
 
 logger = logging.getLogger(__name__)
@@ -40,13 +42,18 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+def _stage(watch: StartupWatch | None, name: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if watch is None else watch.stage(name)
+
+
 class EngineCore:
     """Owns the scheduler and the model runner. `step()` is the whole pipeline."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, watch: StartupWatch | None = None) -> None:
         """With tensor_parallel_size > 1 the model runs in worker processes driven by a
         MultiprocExecutor (EngineCoreLoop hooks its death callback); otherwise the runner
-        lives here, in this thread."""
+        lives here, in this thread. `watch`: the process's start-up deadlines (stages
+        tp_workers, model, kv_connector; engine/core/startup.py)."""
         self.config = config
         self.tp_executor: MultiprocExecutor | None = None
         if config.tensor_parallel_size > 1:
@@ -54,7 +61,8 @@ class EngineCore:
             from engine.executor.multiproc import MultiprocExecutor
 
             self.runner = None
-            self.tp_executor = MultiprocExecutor(config)
+            with _stage(watch, "tp_workers"):
+                self.tp_executor = MultiprocExecutor(config)
             self.executor: Any = self.tp_executor
             self.num_kv_blocks = min(i.num_kv_blocks for i in self.tp_executor.infos)
             self.max_model_len = self.tp_executor.infos[0].max_model_len
@@ -64,12 +72,14 @@ class EngineCore:
                 sched_conn = make_scheduler_half(config, spec)
                 worker_conn = TPConnectorView(self.tp_executor, self.tp_executor.kv_outputs)
         else:
-            self.runner = self.executor = ModelRunner(config)
+            with _stage(watch, "model"):
+                self.runner = self.executor = ModelRunner(config)
             self.num_kv_blocks = self.runner.num_kv_blocks
             self.max_model_len = self.runner.max_model_len
-            sched_conn, worker_conn = make_connector(config, self.runner.kv_cache_spec)
-            if worker_conn is not None:
-                worker_conn.register_kv_caches(self.runner.kv_cache)
+            with _stage(watch, "kv_connector"):
+                sched_conn, worker_conn = make_connector(config, self.runner.kv_cache_spec)
+                if worker_conn is not None:
+                    worker_conn.register_kv_caches(self.runner.kv_cache)
             self.runner.connector = worker_conn
         self.scheduler = Scheduler(
             block_size=config.block_size,

@@ -9,10 +9,15 @@ Threads of the core process:
 - "EngineCoreOutput_<i>": PUSH connected to the client's PULL; encodes EngineCoreOutputs
   into reused bytearrays and sends zero-copy, tracking each send until zmq is done with it;
 - "EngineCoreParentWatch_<i>": exits the process when the parent process is gone, so no
-  orphan engine outlives its frontend.
+  orphan engine outlives its frontend;
+- "EngineCoreHeartbeat_<i>": the frontend's proof that this process lives, and the backstop
+  for a step that never returns (engine/core/liveness.py);
+- "StartupWatch": until READY, ends the process when a start-up stage overruns its deadline
+  (engine/core/startup.py).
 
 Exit codes: 0 after a clean shutdown (SIGTERM / SIGINT: refuse new requests, drain, exit),
-1 after a fatal error (ENGINE_CORE_DEAD was sent first), 3 when the parent died.
+1 after a fatal error (ENGINE_CORE_DEAD was sent first, with why), 3 when the parent died,
+4 when a start-up stage stalled past its deadline (EXIT_STARTUP_STALLED).
 The child is started with the multiprocessing *spawn* context; the config crosses as a
 plain dict (see `config_to_dict`).
 """
@@ -35,8 +40,8 @@ from engine import stackdump
 from engine.config import EngineConfig
 from engine.core.busy_loop import InputKind
 from engine.core.engine_core import EngineCore
+from engine.core.liveness import CoreHeartbeat
 from engine.core.messages import (
-    ENGINE_CORE_DEAD,
     HANDSHAKE_TIMEOUT_S,
     HandshakeFailed,
     HandshakeHello,
@@ -44,9 +49,11 @@ from engine.core.messages import (
     HandshakeReady,
     UtilityCall,
     decode_handshake,
+    encode_dead,
     encode_handshake,
     engine_identity,
 )
+from engine.core.startup import StartupWatch
 from engine.dp.engine_link import build_loop
 from engine.protocol import EngineCoreRequest, EngineCoreRequestType
 from engine.serial import MsgpackDecoder, MsgpackEncoder
@@ -68,12 +75,16 @@ def config_to_dict(config: EngineConfig) -> dict[str, Any]:
 class EngineCoreProc:
     """Handshake, I/O threads and busy loop of one engine-core process."""
 
-    def __init__(self, config: EngineConfig, engine_index: int, handshake_address: str) -> None:
+    def __init__(self, config: EngineConfig, engine_index: int, handshake_address: str,
+                 watch: StartupWatch | None = None) -> None:
         self.engine_index = engine_index
         self.identity = engine_identity(engine_index)
         self.ctx = zmq.Context()
         self._threads_stop = threading.Event()
         self._dead_sent = False
+        self._dead_reason = ""
+        watch = watch or StartupWatch(f"engine core {engine_index}",
+                                      config.startup_stage_timeout_s)
         hs = self.ctx.socket(zmq.DEALER)
         hs.setsockopt(zmq.IDENTITY, self.identity)
         hs.setsockopt(zmq.LINGER, _OUTPUT_LINGER_MS)
@@ -81,20 +92,29 @@ class EngineCoreProc:
         try:
             init = self._hello(hs)
             try:
-                core = EngineCore(config)
+                core = EngineCore(config, watch)
             except Exception as e:
                 hs.send(encode_handshake(HandshakeFailed(error=f"{type(e).__name__}: {e}")))
                 raise
             self.loop = build_loop(core, engine_index, config, self.ctx, init,
                                    self._threads_stop)
-            self._start_io_threads(init)
-            max_model_len = getattr(core, "max_model_len", None) or core.runner.max_model_len
-            hs.send(encode_handshake(HandshakeReady(
-                num_kv_blocks=core.num_kv_blocks, max_model_len=int(max_model_len),
-                supported_tasks=list(core.get_supported_tasks()),
-            )))
+            with watch.stage("io_threads"):
+                self._start_io_threads(init)
+            with watch.stage("ready"):
+                max_model_len = (getattr(core, "max_model_len", None)
+                                 or core.runner.max_model_len)
+                hs.send(encode_handshake(HandshakeReady(
+                    num_kv_blocks=core.num_kv_blocks, max_model_len=int(max_model_len),
+                    supported_tasks=list(core.get_supported_tasks()),
+                )))
         finally:
+            watch.close()
             hs.close()
+        self.heartbeat = CoreHeartbeat(
+            self.loop, engine_index, config.heartbeat_timeout_s,
+            config.step_timeout_s + config.heartbeat_timeout_s, self._die_stuck,
+            self._threads_stop)
+        self.heartbeat.start()
 
     def _hello(self, hs: zmq.Socket) -> HandshakeInit:
         hs.send(encode_handshake(HandshakeHello(engine_index=self.engine_index, pid=os.getpid())))
@@ -173,10 +193,13 @@ class EngineCoreProc:
             while True:
                 item = self.loop.output_queue.get()
                 if item is _DEAD:
-                    sock.send(ENGINE_CORE_DEAD)
+                    sock.send(encode_dead(self._dead_reason))
                     return
                 if item is _STOP:
                     return
+                if isinstance(item, bytes):  # a heartbeat, encoded by its thread
+                    sock.send(item, copy=True)
+                    continue
                 while pending and all(t.done for t in pending[0][0]):
                     free.append(pending.popleft()[1])
                 buf = free.pop() if free else bytearray()
@@ -191,7 +214,7 @@ class EngineCoreProc:
             logger.exception("engine %d: output thread failed", self.engine_index)
             self._dead_sent = True
             try:
-                sock.send(ENGINE_CORE_DEAD, zmq.NOBLOCK)
+                sock.send(encode_dead("the engine core's output thread failed"), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
             os._exit(EXIT_FATAL)
@@ -202,10 +225,20 @@ class EngineCoreProc:
     def run(self) -> None:
         self.loop.run()
 
-    def send_engine_dead(self) -> None:
+    def send_engine_dead(self, reason: str = "") -> None:
         if not self._dead_sent:
             self._dead_sent = True
+            self._dead_reason = reason
             self.loop.output_queue.put_nowait(_DEAD)
+
+    def _die_stuck(self, reason: str) -> None:
+        """Heartbeat thread: a step never returned. Tell the frontend why, then end the
+        process (the main thread cannot be interrupted; TP workers follow their parent)."""
+        logger.error("%s; exiting with code %d", reason, EXIT_FATAL)
+        self.send_engine_dead(reason)
+        self.output_thread.join(timeout=2.0)
+        sys.stderr.flush()
+        os._exit(EXIT_FATAL)
 
     def close(self) -> None:
         """Flush outputs, stop the I/O threads, shut the core down. Main thread only."""
@@ -250,7 +283,9 @@ def run_engine_core(config: dict[str, Any], engine_index: int, handshake_address
     proc: EngineCoreProc | None = None
     code = EXIT_OK
     try:
-        proc = EngineCoreProc(EngineConfig(**config), engine_index, handshake_address)
+        cfg = EngineConfig(**config)
+        watch = StartupWatch(f"engine core {engine_index}", cfg.startup_stage_timeout_s)
+        proc = EngineCoreProc(cfg, engine_index, handshake_address, watch)
         loop = proc.loop
 
         def on_signal(signum: int, frame: Any) -> None:
@@ -267,7 +302,7 @@ def run_engine_core(config: dict[str, Any], engine_index: int, handshake_address
             logger.exception("engine %d failed to start: %s", engine_index, e)
         else:
             logger.exception("engine %d: fatal error in the busy loop: %s", engine_index, e)
-            proc.send_engine_dead()
+            proc.send_engine_dead(f"{type(e).__name__}: {e}")
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -11,17 +11,54 @@ Handshake (on its own socket; the client binds a ROUTER, the engine connects a D
    or |--- HandshakeFailed ----------->|   the core could not be built (the reason)
 
 Input socket frames: [request type (EngineCoreRequestType value), msgpack body, aux...].
-Output socket frames: an encoded EngineCoreOutputs, or the raw ENGINE_CORE_DEAD sentinel.
+Output socket frames: an encoded EngineCoreOutputs, the raw ENGINE_CORE_DEAD sentinel
+(optionally followed by " " and why, UTF-8, at most MAX_DEAD_REASON bytes), or a heartbeat:
+ENGINE_CORE_HB + <f64 seconds the current step has run (0 idle), u64 steps done> (one frame,
+every heartbeat interval, from the core's heartbeat thread; engine/core/liveness.py).
 """
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import msgspec
 
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+ENGINE_CORE_HEARTBEAT = b"ENGINE_CORE_HB"
+MAX_DEAD_REASON = 1024
 HANDSHAKE_TIMEOUT_S = 300.0
+_HEARTBEAT_BODY = struct.Struct("<dQ")
+HEARTBEAT_SIZE = len(ENGINE_CORE_HEARTBEAT) + _HEARTBEAT_BODY.size
+
+
+def encode_dead(reason: str = "") -> bytes:
+    """The ENGINE_CORE_DEAD frame, carrying why (truncated) when there is a reason."""
+    if not reason:
+        return ENGINE_CORE_DEAD
+    return ENGINE_CORE_DEAD + b" " + reason.encode("utf-8", "replace")[:MAX_DEAD_REASON]
+
+
+def decode_dead(frame: bytes) -> str | None:
+    """The reason of an ENGINE_CORE_DEAD frame ("" without one); None if it is not one."""
+    if frame == ENGINE_CORE_DEAD:
+        return ""
+    if (len(frame) <= len(ENGINE_CORE_DEAD) + 1 + MAX_DEAD_REASON
+            and frame.startswith(ENGINE_CORE_DEAD + b" ")):
+        return frame[len(ENGINE_CORE_DEAD) + 1:].decode("utf-8", "replace")
+    return None
+
+
+def encode_heartbeat(step_age_s: float, num_steps: int) -> bytes:
+    return ENGINE_CORE_HEARTBEAT + _HEARTBEAT_BODY.pack(step_age_s, num_steps)
+
+
+def decode_heartbeat(frame: bytes) -> tuple[float, int] | None:
+    """(step age, steps done) of a heartbeat frame; None if it is not one."""
+    if len(frame) != HEARTBEAT_SIZE or not frame.startswith(ENGINE_CORE_HEARTBEAT):
+        return None
+    age, steps = _HEARTBEAT_BODY.unpack_from(frame, len(ENGINE_CORE_HEARTBEAT))
+    return age, steps
 
 
 def engine_identity(engine_index: int) -> bytes:

@@ -6,11 +6,18 @@ own response ring (it writes, we read). `execute_model` asks only rank 0 to answ
 (unique_reply_rank): every rank computes the same tokens. Setup calls (`describe`) go to
 every rank (collective RPC).
 
-Failure: a monitor thread ("TPWorkerMonitor") waits on the worker process sentinels. When a
-worker exits outside shutdown it records why and calls `on_failure` (EngineCoreLoop.fail:
-the busy loop raises at once, even when idle, and its owner reports the engine dead —
-ENGINE_CORE_DEAD from a core process); a step blocked on a response ring wakes on the same
-sentinels and raises WorkerDied. Nothing waits without a sentinel.
+Failure: a monitor thread ("TPWorkerMonitor") waits on the worker process sentinels and
+reads the workers' heartbeats (each worker stamps its response ring; engine/core/liveness.py).
+When a worker exits outside shutdown, or gives no heartbeat for `heartbeat_timeout_s` (stopped,
+frozen), it records why and calls `on_failure` (EngineCoreLoop.fail: the busy loop raises at
+once, even when idle, and its owner reports the engine dead — ENGINE_CORE_DEAD with the
+reason from a core process). A call blocked on a ring wakes on the same sentinels, checks the
+same heartbeats every `_CHECK_S`, and gives up after `step_timeout_s` (a collective that never
+completes): it raises WorkerDied naming the worker. Nothing waits without a bound.
+
+Rendezvous: the ranks meet through a torch FileStore in a private (0700) directory of this
+process, removed at shutdown — no TCP store, nothing listening on any interface; gloo's own
+sockets are put on the loopback interface (worker_proc.py).
 
 Thread ownership: every method but `failure` / the monitor runs on the engine-core thread.
 """
@@ -20,6 +27,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -29,18 +39,19 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
+from engine.core.liveness import heartbeat_interval
+from engine.core.startup import stage_deadline
 from engine.executor import messages as m
 from engine.executor.kv_outputs import KVOutputAggregator
 from engine.executor.shm_broadcast import RingGone, ShmReader, ShmWriter
 from engine.executor.worker_proc import worker_main
 from engine.models import load_arch
 from engine.models.parallel import check_tp
-from engine.server.launcher import free_port
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = 300.0
 _SHUTDOWN_JOIN_S = 5.0
+_CHECK_S = 0.25  # how often a blocked call looks at the workers' heartbeats and its deadline
 
 
 class WorkerDied(RuntimeError):
@@ -72,11 +83,15 @@ class MultiprocExecutor:
                            if config.kv_transfer_config is not None else None)
         self.failure: str | None = None
         self._closing = False
+        self.heartbeat_timeout_s = config.heartbeat_timeout_s
+        self.step_timeout_s = config.step_timeout_s
+        self._startup_s = 0.9 * stage_deadline("tp_workers", config.startup_stage_timeout_s)
         ctx = multiprocessing.get_context("spawn")
         bells = [ctx.Pipe(duplex=False) for _ in range(self.tp_size)]
         self.broadcast = ShmWriter(self.tp_size, [send for _, send in bells])
         threads = max(1, torch.get_num_threads() // self.tp_size)
-        port = free_port()
+        self._store_dir = tempfile.mkdtemp(prefix="pdserve-tp-")  # 0700: ours alone
+        store = os.path.join(self._store_dir, "rendezvous")
         handle = m.encode(self.broadcast.handle)
         self.procs: list[multiprocessing.process.BaseProcess] = []
         ready_pipes, response_bells = [], []
@@ -86,7 +101,7 @@ class MultiprocExecutor:
                 resp_recv, resp_send = ctx.Pipe(duplex=False)
                 proc = ctx.Process(
                     target=worker_main, name=f"TPWorker_{rank}", daemon=False,
-                    args=(_config_dict(config), rank, self.tp_size, port, threads, handle,
+                    args=(_config_dict(config), rank, self.tp_size, store, threads, handle,
                           bells[rank][0], resp_send, ready_send, logging.getLogger().level))
                 proc.start()
                 ready_send.close()
@@ -110,14 +125,15 @@ class MultiprocExecutor:
     def _wait_ready(self, pipes: list) -> list[m.WorkerReady]:
         """Every worker's WorkerReady, in rank order; raises on a failure, death or timeout."""
         got: dict[int, m.WorkerReady] = {}
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + self._startup_s
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
         pending = {pipe: rank for rank, pipe in enumerate(pipes)}
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RuntimeError(f"tensor-parallel workers {sorted(pending.values())} not "
-                                   f"ready within {STARTUP_TIMEOUT_S:.0f}s")
+                                   f"ready within {self._startup_s:.0f}s (start-up stage "
+                                   "'tp_workers')")
             for obj in wait([*pending, *sentinels], timeout=left):
                 if obj in pending:
                     try:
@@ -144,21 +160,52 @@ class MultiprocExecutor:
             raise WorkerDied(self.failure)
         reply_rank = m.ALL_RANKS if unique_reply_rank is None else unique_reply_rank
         sentinels = [p.sentinel for p in self.procs]
+        started = time.monotonic()
         try:
-            self.broadcast.put(m.encode_call(method, arg, reply_rank), sentinels)
+            self.broadcast.put(m.encode_call(method, arg, reply_rank), sentinels,
+                               check=lambda: self._check_progress(method, 0, started))
             ranks = range(self.tp_size) if unique_reply_rank is None else [unique_reply_rank]
-            results = [self._reply(method, r, sentinels) for r in ranks]
+            results = [self._reply(method, r, sentinels, started) for r in ranks]
         except RingGone as e:
             self.failure = self.failure or self._describe_death() or str(e)
             raise WorkerDied(self.failure) from None
+        except WorkerDied as e:
+            self.failure = self.failure or str(e)
+            raise
         return results if unique_reply_rank is None else results[0]
 
-    def _reply(self, method: str, rank: int, sentinels: list) -> Any:
-        result = m.decode_reply(method, self.responses[rank].get(sentinels))
+    def _reply(self, method: str, rank: int, sentinels: list, started: float) -> Any:
+        while True:
+            try:
+                data = self.responses[rank].get(sentinels, timeout=_CHECK_S)
+                break
+            except TimeoutError:
+                self._check_progress(method, rank, started)
+        result = m.decode_reply(method, data)
         if isinstance(result, m.RpcReply):
             raise RuntimeError(f"tensor-parallel worker {rank}: {method} failed: "
                                f"{result.error}")
         return result
+
+    def _check_progress(self, method: str, rank: int, started: float) -> None:
+        """Raises WorkerDied when a worker is silent or the call has run past its deadline."""
+        if (silent := self._silent_worker()) is not None:
+            raise WorkerDied(silent)
+        waited = time.monotonic() - started
+        if waited > self.step_timeout_s:
+            raise WorkerDied(f"tensor-parallel worker {rank} (pid {self.procs[rank].pid}) has "
+                             f"not answered {method} for {waited:.0f}s (step_timeout_s "
+                             f"{self.step_timeout_s:g}): the step is stuck")
+
+    def _silent_worker(self) -> str | None:
+        """Why the first worker without a heartbeat for heartbeat_timeout_s is declared hung."""
+        for rank, reader in enumerate(getattr(self, "responses", ())):
+            silent = reader.writer_silence_s()
+            if silent > self.heartbeat_timeout_s:
+                return (f"tensor-parallel worker {rank} (pid {self.procs[rank].pid}) is not "
+                        f"responding: no heartbeat for {silent:.1f}s (heartbeat_timeout_s "
+                        f"{self.heartbeat_timeout_s:g}; the process is stopped or frozen)")
+        return None
 
     def execute_model(self, scheduler_output: Any) -> Any:
         if self.kv_outputs is None:
@@ -182,10 +229,16 @@ class MultiprocExecutor:
         return None
 
     def _watch_workers(self) -> None:
-        wait([p.sentinel for p in self.procs])
+        sentinels = [p.sentinel for p in self.procs]
+        interval = heartbeat_interval(self.heartbeat_timeout_s)
+        silent = None
+        while not self._closing and not wait(sentinels, timeout=interval):
+            if (silent := self._silent_worker()) is not None:
+                break
         if self._closing:
             return
-        self.failure = self._describe_death() or "a tensor-parallel worker died"
+        self.failure = (self.failure or silent or self._describe_death()
+                        or "a tensor-parallel worker died")
         logger.error("%s; failing the engine", self.failure)
         if self.on_failure is not None:
             self.on_failure(self.failure)
@@ -212,6 +265,7 @@ class MultiprocExecutor:
         for r in getattr(self, "responses", []):
             r.close(unlink=True)  # a killed worker cannot; after a clean exit it is a no-op
         self.broadcast.close()
+        shutil.rmtree(self._store_dir, ignore_errors=True)
 
 
 def _config_dict(config: EngineConfig) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Layout of one `multiprocessing.shared_memory` segment (docs/design.md §8):
 
-    [slot 0 | slot 1 | ... | slot S-1] [meta: S x (written, read_0 .. read_N-1)] [sleeping_0..N-1]
+    [slot 0 | ... | slot S-1] [meta: S x (written, read_0 .. read_N-1)] [sleeping_0..N-1]
+    [pad to 8] [heartbeat: u64 CLOCK_MONOTONIC ns, stamped by the writer's process]
 
 A slot holds `kind (1 byte) | length (u32) | bytes`. kind 0: the message itself; kind 1
 (spill): the message did not fit, the bytes name a second segment the writer made for it
@@ -19,6 +20,10 @@ its doorbell (a pipe) together with the sentinels it was given (a dead writer, a
 worker); the writer rings the doorbell of sleeping readers after each message. Fences
 before both checks (Dekker) make a lost wake-up impossible; the wait still wakes every
 `_WAIT_SLICE_S` as a belt and braces. Nothing here pickles: messages are bytes.
+
+Heartbeat: the writer's process stamps `beat()` from a thread of its own; a reader reads
+`writer_silence_s()` (CLOCK_MONOTONIC is one clock for every process of the machine), so a
+waiter can tell a slow writer from a stopped one (engine/core/liveness.py).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
 from multiprocessing.shared_memory import SharedMemory
@@ -34,6 +40,7 @@ from multiprocessing.shared_memory import SharedMemory
 import msgspec
 
 _HEADER = struct.Struct("<BI")  # kind, length
+_BEAT = struct.Struct("<Q")
 _INLINE, _SPILL = 0, 1
 _WAIT_SLICE_S = 0.05
 _MIN_SLOT_BYTES = 64
@@ -78,10 +85,16 @@ class _Ring:
         s, n = handle.num_slots, handle.num_readers
         self.meta_off = s * handle.slot_bytes
         self.sleep_off = self.meta_off + s * (1 + n)
+        self.beat_off = _Ring.beat_offset(s, handle.slot_bytes, n)
+
+    @staticmethod
+    def beat_offset(num_slots: int, slot_bytes: int, num_readers: int) -> int:
+        end = num_slots * (slot_bytes + 1 + num_readers) + num_readers
+        return (end + 7) // 8 * 8
 
     @staticmethod
     def size(num_slots: int, slot_bytes: int, num_readers: int) -> int:
-        return num_slots * (slot_bytes + 1 + num_readers) + num_readers
+        return _Ring.beat_offset(num_slots, slot_bytes, num_readers) + _BEAT.size
 
     def meta(self, slot: int) -> int:
         return self.meta_off + slot * (1 + self.handle.num_readers)
@@ -102,6 +115,7 @@ class ShmWriter:
         shm = SharedMemory(create=True, size=_Ring.size(num_slots, slot_bytes, num_readers))
         shm.buf[:] = bytes(len(shm.buf))
         self.ring = _Ring(shm, RingHandle(shm.name, num_slots, slot_bytes, num_readers))
+        self.beat()
         self.doorbells = doorbells
         self.seq = 0
         self.spills: dict[int, SharedMemory] = {}
@@ -111,18 +125,30 @@ class ShmWriter:
     def handle(self) -> RingHandle:
         return self.ring.handle
 
-    def put(self, data: bytes | bytearray | memoryview, sentinels: list = ()) -> None:
+    def beat(self) -> None:
+        """Stamp the heartbeat (any thread of the writer's process)."""
+        _BEAT.pack_into(self.ring.buf, self.ring.beat_off, time.monotonic_ns())
+
+    def put(self, data: bytes | bytearray | memoryview, sentinels: list = (),
+            check: Callable[[], None] | None = None) -> None:
+        """Write one message. While the ring is full (a reader lags S messages behind) it
+        waits, raising RingGone when a sentinel fires and calling `check` about every
+        `_WAIT_SLICE_S` (it raises to give up: a stopped reader)."""
         r, h = self.ring, self.ring.handle
         i = self.seq % h.num_slots
         m = r.meta(i)
         buf = r.buf
         pause = 0.0
+        next_check = time.monotonic() + _WAIT_SLICE_S
         while buf[m] and not all(buf[m + 1:m + 1 + h.num_readers]):  # readers lag S behind
             if sentinels and wait(sentinels, timeout=pause):
                 raise RingGone("a reader is gone while the ring was full")
             if not sentinels:
                 time.sleep(pause)
             pause = min(0.001, pause + 0.0001)
+            if check is not None and time.monotonic() > next_check:
+                check()
+                next_check = time.monotonic() + _WAIT_SLICE_S
         old = self.spills.pop(i, None)
         if old is not None:
             _unlink(old)
@@ -168,6 +194,11 @@ class ShmReader:
         self.doorbell = doorbell
         self.seq = 0
         self.spin_s = spin_s
+
+    def writer_silence_s(self) -> float:
+        """Seconds since the writer's process last stamped the heartbeat."""
+        stamp = _BEAT.unpack_from(self.ring.buf, self.ring.beat_off)[0]
+        return max(0.0, (time.monotonic_ns() - stamp) / 1e9)
 
     def _ready(self, m: int) -> bool:
         buf = self.ring.buf

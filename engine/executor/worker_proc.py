@@ -1,14 +1,18 @@
 """One tensor-parallel worker process: rank `rank` of `tp_size` (docs/design.md §8).
 
-Startup (seed order): join the torch.distributed process group (gloo on CPU, nccl on CUDA;
-explicit 127.0.0.1 rendezvous), build this rank's model shard and KV memory, create the
-response ring, then report `WorkerReady` (with the ring's handle) over the ready pipe — or
+Startup (seed order), each step a start-up stage with a deadline (engine/core/startup.py):
+join the torch.distributed process group (`rendezvous`: gloo on CPU, nccl on CUDA, through a
+FileStore in the executor's private directory; gloo's and nccl's sockets on the loopback
+interface — nothing of the group is reachable from another host), build this rank's model
+shard and KV memory (`model`) and connector half (`kv_connector`), create the response ring,
+then report `WorkerReady` (with the ring's handle) over the ready pipe (`ready`) — or
 `WorkerFailed` with the error. Then the busy loop: read one RPC from the broadcast ring, run
 it, answer on the response ring when this rank is the one asked (or all are).
 
 Threads: the main thread runs the loop and owns the runner; "WorkerParentWatch_<rank>" exits
 the process when the EngineCore process is gone (a rank can be blocked in an all-reduce
-whose peer died, so the loop alone cannot notice).
+whose peer died, so the loop alone cannot notice); "WorkerHeartbeat_<rank>" stamps the
+response ring's heartbeat, so the executor can tell a stopped worker from a slow step.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import torch.distributed as dist
 from engine import stackdump
 from engine.config import EngineConfig
 from engine.core.engine_core import freeze_startup_objects
+from engine.core.liveness import heartbeat_interval
+from engine.core.startup import StartupWatch
 from engine.executor import messages as m
 from engine.executor.shm_broadcast import RingGone, RingHandle, ShmReader, ShmWriter
 from engine.kv_connector import KVCacheSpec, make_worker_half
@@ -43,17 +49,20 @@ _RESPONSE_SLOTS = 4
 class Worker:
     """The RPC surface of one rank: every method named in messages.RPC_TYPES."""
 
-    def __init__(self, config: EngineConfig, rank: int, tp_size: int) -> None:
+    def __init__(self, config: EngineConfig, rank: int, tp_size: int,
+                 watch: StartupWatch) -> None:
         from engine.worker.model_runner import ModelRunner
 
         self.rank = rank
-        self.runner = ModelRunner(config, tp_rank=rank, tp_size=tp_size,
-                                  comm=Collectives(all_reduce, all_gather))
+        with watch.stage("model"):
+            self.runner = ModelRunner(config, tp_rank=rank, tp_size=tp_size,
+                                      comm=Collectives(all_reduce, all_gather))
         # P/D: this rank's connector worker half (its own NIXL agent, side channel and
         # transfer thread) over this rank's KV memory; the scheduler half is in EngineCore.
-        self.connector = make_worker_half(config, self.runner.kv_cache_spec, rank)
-        if self.connector is not None:
-            self.connector.register_kv_caches(self.runner.kv_cache)
+        with watch.stage("kv_connector"):
+            self.connector = make_worker_half(config, self.runner.kv_cache_spec, rank)
+            if self.connector is not None:
+                self.connector.register_kv_caches(self.runner.kv_cache)
         self.runner.connector = self.connector
 
     def execute_model(self, so: Any) -> Any:
@@ -99,6 +108,24 @@ def all_gather(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def _loopback_only(backend: str) -> None:
+    """gloo and nccl open sockets of their own between the ranks (all on this host): on the
+    loopback interface, never on one another host can reach."""
+    import psutil
+
+    name = next((nic for nic, addrs in psutil.net_if_addrs().items()
+                 if any(a.address == "127.0.0.1" for a in addrs)), "lo")
+    os.environ["GLOO_SOCKET_IFNAME" if backend == "gloo" else "NCCL_SOCKET_IFNAME"] = name
+
+
+def _beat(response: ShmWriter, interval: float, stop: threading.Event) -> None:
+    while not stop.wait(interval):
+        try:
+            response.beat()
+        except (ValueError, TypeError, IndexError):
+            return  # the ring is closed: the worker is exiting
+
+
 def _watch_parent() -> None:
     parent = multiprocessing.parent_process()
     if parent is None:
@@ -107,7 +134,7 @@ def _watch_parent() -> None:
     os._exit(EXIT_PARENT_DIED)
 
 
-def worker_main(config: dict[str, Any], rank: int, tp_size: int, dist_port: int,
+def worker_main(config: dict[str, Any], rank: int, tp_size: int, store_path: str,
                 threads: int, broadcast: bytes, broadcast_bell: Connection,
                 response_bell: Connection, ready: Connection,
                 log_level: int = logging.INFO) -> None:
@@ -126,24 +153,33 @@ def worker_main(config: dict[str, Any], rank: int, tp_size: int, dist_port: int,
     torch.set_num_threads(threads)
     torch.manual_seed(config["seed"])  # every rank samples the same tokens
     response: ShmWriter | None = None
+    beats = threading.Event()
+    cfg = EngineConfig(**config)
+    watch = StartupWatch(f"tensor-parallel worker {rank}", cfg.startup_stage_timeout_s)
     try:
-        cfg = EngineConfig(**config)
         backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{dist_port}",
-                                rank=rank, world_size=tp_size)
-        worker = Worker(cfg, rank, tp_size)
+        with watch.stage("rendezvous"):
+            _loopback_only(backend)
+            dist.init_process_group(backend, store=dist.FileStore(store_path, tp_size),
+                                    rank=rank, world_size=tp_size)
+        worker = Worker(cfg, rank, tp_size, watch)
         reader = ShmReader(msgspec.msgpack.decode(broadcast, type=RingHandle), rank,
                            broadcast_bell)
         response = ShmWriter(1, [response_bell], num_slots=_RESPONSE_SLOTS)
+        threading.Thread(target=_beat, args=(response, heartbeat_interval(
+            cfg.heartbeat_timeout_s), beats), name=f"WorkerHeartbeat_{rank}",
+            daemon=True).start()
         freeze_startup_objects()
     except Exception as e:
         logger.exception("worker %d failed to start", rank)
         ready.send_bytes(m.encode(m.WorkerFailed(rank, f"{type(e).__name__}: {e}")))
         os._exit(1)
-    ready.send_bytes(m.encode(m.WorkerReady(rank, os.getpid(), response.handle)))
-    ready.close()
+    with watch.stage("ready"):
+        ready.send_bytes(m.encode(m.WorkerReady(rank, os.getpid(), response.handle)))
+        ready.close()
+    watch.close()
     parent = multiprocessing.parent_process()
     sentinels = [parent.sentinel] if parent is not None else []
     code = 0
@@ -155,6 +191,7 @@ def worker_main(config: dict[str, Any], rank: int, tp_size: int, dist_port: int,
         logger.exception("worker %d: fatal error; exiting", rank)
         code = 1
     finally:
+        beats.set()
         response.close()
         reader.close()
     sys.stderr.flush()

@@ -39,6 +39,7 @@ _ENGINE_FLAGS = (
     "tensor_parallel_size", "enable_prefix_caching",
     *("data_parallel_size", "data_parallel_rank", "data_parallel_external_lb",
       "data_parallel_lockstep"),
+    "heartbeat_timeout_s", "step_timeout_s", "startup_stage_timeout_s",
 )
 
 
@@ -82,9 +83,26 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get after SIGTERM")
+    add_deadline_args(parser)
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def add_deadline_args(parser: argparse.ArgumentParser) -> None:
+    """Deadlines on waits that cross a process (engine/core/liveness.py, startup.py)."""
+    parser.add_argument("--heartbeat-timeout", dest="heartbeat_timeout_s", type=float,
+                        default=None, metavar="S",
+                        help="an EngineCore or tensor-parallel worker silent this long (stopped, "
+                             "frozen) fails the engine: its requests end with an error and "
+                             "/health answers 503 naming it (default: 30)")
+    parser.add_argument("--step-timeout", dest="step_timeout_s", type=float, default=None,
+                        metavar="S", help="a model step that has not returned after this long "
+                                          "is stuck and fails the engine (default: 900)")
+    parser.add_argument("--startup-stage-timeout", dest="startup_stage_timeout_s", type=float,
+                        default=None, metavar="S",
+                        help="deadline of every start-up stage (default: per stage, 60-1500 s); "
+                             "a stage past it ends the server with a non-zero exit")
 
 
 def add_dp_args(parser: argparse.ArgumentParser) -> None:

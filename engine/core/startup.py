@@ -1,0 +1,131 @@
+"""Start-up stages with deadlines: a start-up that cannot finish ends, naming where it stood.
+
+Each process that starts an engine piece (the server's frontend, the EngineCore process, a
+tensor-parallel worker) runs its start-up as named stages (`STAGE_DEADLINES`). A
+`StartupWatch` thread ("StartupWatch") checks the stage in progress; one that runs past its
+deadline logs one line naming the process, the stage and the deadline, writes every thread's
+stack to stderr (the server's log) and ends the process with EXIT_STARTUP_STALLED. The
+frontend sees its EngineCore exit during the handshake and fails the server's start-up, so
+the server exits non-zero instead of waiting.
+
+Deadlines are far above an honest stage on a slow, busy CPU (model-sized stages get the
+most); `EngineConfig.startup_stage_timeout_s` (`--startup-stage-timeout`), when given,
+replaces every one of them.
+
+Test-only fault hook: PDSERVE_FAULT_STALL_STARTUP=<stage> makes that stage hang (the process
+sleeps when it enters it), so tests prove the deadline ends it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+logger = logging.getLogger(__name__)
+
+EXIT_STARTUP_STALLED = 4
+STALL_ENV = "PDSERVE_FAULT_STALL_STARTUP"
+
+# stage -> seconds. Frontend: engine_core_spawn (the core process imports torch and says
+# HELLO), engine_core_start (HELLO to READY: the core stages below), engine_core_registration.
+# EngineCore: model (weights, KV memory, kernels), tp_workers (spawn, rendezvous, shards,
+# describe), kv_connector (NIXL agent, memory registration, side channel), io_threads,
+# ready. TP worker: rendezvous, model, kv_connector, ready.
+STAGE_DEADLINES: dict[str, float] = {
+    "engine_core_spawn": 180.0,
+    "engine_core_start": 1500.0,
+    "engine_core_registration": 60.0,
+    "model": 600.0,
+    "tp_workers": 900.0,
+    "kv_connector": 120.0,
+    "io_threads": 60.0,
+    "ready": 60.0,
+    "rendezvous": 120.0,
+}
+
+
+def stage_deadline(stage: str, override: float | None) -> float:
+    """The deadline of `stage`: the override when given, else its default."""
+    return float(override) if override is not None else STAGE_DEADLINES[stage]
+
+
+def frontend_start_deadline(override: float | None) -> float:
+    """The frontend's wait from HELLO to READY: a backstop over the core's own stages
+    (model or tp_workers, kv_connector, io_threads, ready), which end the core sooner."""
+    if override is None:
+        return STAGE_DEADLINES["engine_core_start"]
+    return 5 * float(override) + 30.0
+
+
+class StartupStalled(RuntimeError):
+    """A start-up stage ran past its deadline (raised where a caller can still clean up)."""
+
+    def __init__(self, who: str, stage: str, deadline: float) -> None:
+        super().__init__(f"{who}: start-up stage {stage!r} stalled past its deadline of "
+                         f"{deadline:.0f}s")
+        self.stage = stage
+
+
+def maybe_stall(stage: str) -> None:
+    """The test-only fault hook: sleep for ever when PDSERVE_FAULT_STALL_STARTUP names it."""
+    if os.environ.get(STALL_ENV) == stage:
+        logger.warning("fault injection: start-up stage %r stalls (%s)", stage, STALL_ENV)
+        while True:
+            time.sleep(3600)
+
+
+class StartupWatch:
+    """Deadlines of one process's start-up stages. `stage(name)` is used on the starting
+    thread; the watch thread only reads the stage in progress. `close()` when started."""
+
+    def __init__(self, who: str, override: float | None = None) -> None:
+        self.who = who
+        self.override = override
+        self._lock = threading.Lock()
+        self._current: tuple[str, float, float] | None = None  # stage, deadline s, started
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="StartupWatch", daemon=True)
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        deadline = stage_deadline(name, self.override)
+        with self._lock:
+            previous = self._current
+            self._current = (name, deadline, time.monotonic())
+        try:
+            maybe_stall(name)
+            yield
+        finally:
+            with self._lock:
+                self._current = previous
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.2):
+            with self._lock:
+                current = self._current
+            if current is None:
+                continue
+            name, deadline, started = current
+            if time.monotonic() - started > deadline:
+                self._expire(name, deadline)
+
+    def _expire(self, name: str, deadline: float) -> None:
+        logger.critical("%s (pid %d): start-up stage %r stalled past its deadline of %.0fs; "
+                        "exiting with code %d (stacks follow)", self.who, os.getpid(), name,
+                        deadline, EXIT_STARTUP_STALLED)
+        with contextlib.suppress(Exception):
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(EXIT_STARTUP_STALLED)
