@@ -9,10 +9,10 @@ costs no CPU.
 
 A mode subclasses it with only its policy: a `name`, two halves and two routing tables.
 - `source`: this engine's blocks other engines take (P side); `sink`: blocks this engine
-  receives (D side). Each half has `poll()`, `needs_poll()`, `table_sizes()` and a `done` set
-  of request ids whose blocks may be freed; the sink also has `next_deadline()`,
-  `finished_recving` and `failed_recving`. With `prune_idle` both halves have
-  `addresses_in_use()`.
+  receives (D side). Each half has `poll()`, `needs_poll()`, `next_deadline()` (when it
+  must poll next while idle, or None), `table_sizes()` and a `done` set of request ids whose
+  blocks may be freed; the sink also has `finished_recving` and `failed_recving`. With
+  `prune_idle` both halves have `addresses_in_use()`.
 - `make_inbox_routes()`: field of the scheduler's per-step metadata -> handler of one item,
   in the order they run;
 - `make_notif_routes()`: decoded notification type (`kvconnector.wire`) -> handler
@@ -175,10 +175,11 @@ class TransferThread:
     def _timeout(self) -> float:
         if self.source.needs_poll() or self.sink.needs_poll() or self.peers.pending():
             return POLL_INTERVAL_S
-        deadline = self.sink.next_deadline()
-        if deadline is None:
+        deadlines = [d for d in (self.source.next_deadline(), self.sink.next_deadline())
+                     if d is not None]
+        if not deadlines:
             return _IDLE_TICK_S
-        return min(_IDLE_TICK_S, max(POLL_INTERVAL_S, deadline - self.clock()))
+        return min(_IDLE_TICK_S, max(POLL_INTERVAL_S, min(deadlines) - self.clock()))
 
     def _publish(self) -> None:
         src, sink = self.source, self.sink

@@ -62,5 +62,8 @@ class Lender:
     def needs_poll(self) -> bool:
         return bool(self.leases)
 
+    def next_deadline(self) -> float | None:
+        return None  # polled while it holds a lease
+
     def table_sizes(self) -> dict[str, int]:
         return {"pull_leases": len(self.leases)}

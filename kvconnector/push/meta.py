@@ -68,7 +68,10 @@ class PushMeta:
     released: list[str] = field(default_factory=list)  # D: request over; free when safe
     finished_blocks: list[FinishedBlocks] = field(default_factory=list)  # P: write these
     aborted: list[tuple[str, str | None]] = field(default_factory=list)  # P: (id, transfer)
+    # P: (id, transfer) of each P leg that entered the scheduler; it ends in finished_blocks
+    # or aborted. A registration for a transfer no such request carries is refused soon.
+    arrived: list[tuple[str, str | None]] = field(default_factory=list)
 
     def brings_work(self) -> bool:
         return bool(self.registrations or self.queued or self.watchdog_expired or self.released
-                    or self.finished_blocks or self.aborted)
+                    or self.finished_blocks or self.aborted or self.arrived)

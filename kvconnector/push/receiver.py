@@ -68,6 +68,7 @@ class Recv:
     state: RecvState
     addr: Address  # P's side channel
     hb_id: str  # what heartbeats name it by
+    transfer_id: str = ""  # "" = none (P matches by request id)
     reg: Registration | None = None  # from UNSENT on
     sent_at: float = 0.0  # WAITING: when the PUSH_REG left
     deadline: float = 0.0  # QUARANTINED: when nothing can land any more
@@ -153,13 +154,13 @@ class Receiver:
     def on_queued(self, q: Queued) -> None:
         for key, addr in self._p_parts(q.request_id, q.remote_host, q.remote_port,
                                        q.remote_tp_size):
-            self._enter(key, Recv(RecvState.QUEUED, addr, q.hb_id))
+            self._enter(key, Recv(RecvState.QUEUED, addr, q.hb_id, q.transfer_id))
             self.peers.get(addr, key[1])  # handshake while D queues
 
     def on_registration(self, reg: Registration) -> None:
         for key, addr in self._p_parts(reg.request_id, reg.remote_host, reg.remote_port,
                                        reg.remote_tp_size):
-            self._enter(key, Recv(RecvState.UNSENT, addr, reg.hb_id, reg))
+            self._enter(key, Recv(RecvState.UNSENT, addr, reg.hb_id, reg.transfer_id, reg))
             self.peers.get(addr, key[1])
 
     def on_watchdog(self, rid: str) -> None:
@@ -180,6 +181,7 @@ class Receiver:
             r.released = True
             if r.state in (RecvState.QUEUED, RecvState.UNSENT):
                 self._move(key, RecvState.SAFE)  # no PUSH_REG left D: nothing can land
+                self._cancel_unregistered(key)
             elif r.state is RecvState.WAITING:
                 self._cancel(key, None)
             self._settle(key)
@@ -349,6 +351,20 @@ class Receiver:
                 self.t.send_notif(agent, wire.encode_push_cancel(rid, r.reg.transfer_id))
             except Exception as e:  # noqa: BLE001 - the deadline still bounds the quarantine
                 logger.warning("PUSH_CANCEL for %s to %s:%d failed: %s", rid, *r.addr, e)
+
+    def _cancel_unregistered(self, key: PartKey) -> None:
+        """The request left D before its PUSH_REG did: P may hold its prefilled blocks under
+        lease for it. A PUSH_CANCEL (P acknowledges it, but nothing here waits for that)
+        frees them now, and P frees blocks it prefills later for this transfer at once."""
+        r = self.requests[key]
+        agent = self.peers.known_agent(r.addr)
+        if agent is None:
+            return  # no handshake with P yet: the lease frees P's blocks
+        try:
+            self.t.send_notif(agent, wire.encode_push_cancel(key[0], r.transfer_id))
+        except Exception as e:  # noqa: BLE001 - P's lease still frees them
+            logger.warning("PUSH_CANCEL for unregistered %s to %s:%d failed: %s", key[0],
+                           *r.addr, e)
 
     def _fail(self, key: PartKey, reason: str) -> None:
         """A part nothing can land in any more will not get its KV (→ SAFE)."""

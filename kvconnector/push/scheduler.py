@@ -44,6 +44,8 @@ class PushScheduler(TransferScheduler):
         return decode(params, "push")
 
     def _arrived(self, request: TransferRequest, params: KVParams | None) -> None:
+        if isinstance(params, PrefillLeg):  # P: registrations for its transfer are expected
+            self._meta.arrived.append((request.request_id, params.tid or None))
         if isinstance(params, PushDecodeLeg):
             self._meta.queued.append(Queued(request.request_id, params.tid,
                                             params.remote_engine_id, params.remote_host,

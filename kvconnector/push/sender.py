@@ -20,7 +20,14 @@ Guarantees:
   lost request;
 - state created by remote input is bounded: at most `MAX_REGS_PER_AGENT` registrations per
   sending agent and `MAX_REGS` in all, none naming more blocks than P's cache holds, and
-  at most `MAX_OUTBOX` notifications waiting for a peer (the oldest are dropped).
+  at most `MAX_OUTBOX` notifications waiting for a peer (the oldest are dropped);
+- a registration is held for its ttl only if a P request carries its transfer: one that
+  none of P's requests (arrived in P's scheduler, prefilling or staged) carries within
+  `unknown_timeout` of its arrival gets PUSH_FAIL (`kv_push_unknown_transfer_total`), so a
+  client that sends D legs alone, naming this P and made-up transfers, pins D's blocks for
+  seconds, not a ttl (the proxy sends both legs at once: P's leg arrives within ms);
+- a cancel for a transfer whose blocks are staged but not being written frees them at once
+  (the transfer is tombstoned: no later registration could take them).
 - with tensor parallelism, a P rank writes its heads into every D rank holding some of them
   (docs/design.md §8): one registration per such D rank (keyed by D request id and D rank),
   one WRITE each, posted as soon as that registration is matched and its D rank reachable,
@@ -76,6 +83,8 @@ class PendingReg:
     reg: Any  # wire.PushReg
     received_at: float
     agent: str | None = None  # the NIXL agent it came from (None: not checked)
+    # P's clock by which a P request must carry its transfer (None: one does, or no check)
+    claim_by: float | None = None
 
     @property
     def addr(self) -> tuple[str, int]:
@@ -124,7 +133,7 @@ class SenderStats:
         "kv_transfer_seconds_sum": 0.0, "kv_transfer_seconds_count": 0,
         "kv_lease_expired_total": 0, "kv_push_fail_sent_total": 0,
         "kv_push_registrations_refused_total": 0, "kv_notifs_dropped_total": 0,
-        "kv_push_digest_mismatch_total": 0,
+        "kv_push_digest_mismatch_total": 0, "kv_push_unknown_transfer_total": 0,
     })
 
     def add(self, name: str, value: float = 1) -> None:
@@ -134,7 +143,8 @@ class SenderStats:
 class Sender:
     def __init__(self, transport: Any, peers: Peers, clock: Callable[[], float], *,
                  lease: float, ttl: float, tp_size: int, bytes_per_block: int,
-                 stats: SenderStats, num_blocks: int = 1 << 31, tp_rank: int = 0) -> None:
+                 stats: SenderStats, num_blocks: int = 1 << 31, tp_rank: int = 0,
+                 unknown_timeout: float | None = None) -> None:
         self.t = transport
         self.peers = peers
         self.clock = clock
@@ -145,6 +155,9 @@ class Sender:
         self.bytes_per_block = bytes_per_block
         self.num_blocks = num_blocks  # P's cache: no registration can name more
         self.stats = stats
+        self.unknown_timeout = unknown_timeout  # None: a registration waits for its ttl
+        # P requests in P's scheduler not finished yet, by _tomb_key (the transfer they carry)
+        self.prefilling: Counter[str] = Counter()
         # The P requests, each in one SendState; `ready` and `inflight` are views of it.
         self.staged: dict[str, Staged] = {}  # P request id -> blocks under lease
         self._count: Counter[SendState] = Counter()  # staged requests per state (an index)
@@ -191,7 +204,20 @@ class Sender:
         return [w for s in self._in(SendState.WRITING).values() for w in s.writes.values()]
 
     # --- events -------------------------------------------------------------------
+    def on_arrived(self, request_id: str, transfer_id: str | None) -> None:
+        """A P request entered P's scheduler: registrations for its transfer are not strays.
+        It ends in `on_finished_blocks` or `on_aborted`."""
+        self.prefilling[_tomb_key(transfer_id, request_id)] += 1
+
+    def _ended(self, request_id: str, transfer_id: str | None) -> None:
+        key = _tomb_key(transfer_id, request_id)
+        if self.prefilling[key] > 1:
+            self.prefilling[key] -= 1
+        else:
+            self.prefilling.pop(key, None)
+
     def on_finished_blocks(self, fb: FinishedBlocks) -> None:
+        self._ended(fb.request_id, fb.transfer_id)
         old = self.staged.pop(fb.request_id, None)
         if old is not None:
             self._count[old.state] -= 1
@@ -224,6 +250,7 @@ class Sender:
 
     def on_aborted(self, request_id: str, transfer_id: str | None) -> None:
         """P's request ended without blocks to send: fail D's registration, now or later."""
+        self._ended(request_id, transfer_id)
         fb = FinishedBlocks(request_id, transfer_id, [], 0)
         candidates = self._regs_for(fb)
         if candidates:
@@ -259,6 +286,9 @@ class Sender:
             self._fail(pending, "prefill request already ended on P (aborted or expired)")
             return
         self.regs[key] = pending
+        if self.unknown_timeout is not None and not self._carried(reg):
+            pending.claim_by = self.clock() + self.unknown_timeout  # seen now: a frozen P
+            # that wakes up gives its own requests (queued behind the freeze) the full time
         candidates = self._staged_for(reg)
         for pid in candidates:
             if _digest_ok(self.staged[pid].blocks, reg):
@@ -314,6 +344,7 @@ class Sender:
                         staged.blocks, pending.reg) is not None:
                     self._give_up(p_id)
         self._tombstone(transfer_id, d_request_id)
+        self._drop_cancelled(_tomb_key(transfer_id, d_request_id))
         ack = wire.encode_push_cancel_ack(d_request_id, transfer_id)
         if pending is not None:
             self._send(pending.addr, ack, pending.agent)
@@ -325,6 +356,17 @@ class Sender:
         else:
             logger.info("cancel for unknown registration %s (transfer %s) from unknown agent "
                         "%s: no ack", d_request_id, transfer_id, agent)
+
+    def _drop_cancelled(self, tomb: str) -> None:
+        """The transfer `tomb` is cancelled (tombstoned: no later registration can take its
+        blocks): blocks staged for it that no D rank has matched or written go now, not at
+        lease expiry. Blocks paired with another agent's registration are that agent's
+        business (the cancel does not end its WRITE)."""
+        for p_id, staged in list(self.staged.items()):
+            if _tomb_key(staged.blocks.transfer_id, p_id) == tomb and not staged.busy_ranks():
+                logger.info("transfer of %s cancelled by D before any registration took its "
+                            "blocks: freeing them", p_id)
+                self._release(p_id, failed=True)
 
     def _key_of(self, d_request_id: str, agent: str | None) -> RegKey:
         """The registration of D request `d_request_id` that `agent` (one of D's ranks) holds;
@@ -344,6 +386,11 @@ class Sender:
     def needs_poll(self) -> bool:
         """Self-poll while blocks wait unmatched, WRITEs are in flight or notifs queue."""
         return bool(self.staged or self.outbox)  # WRITEs in flight are staged too
+
+    def next_deadline(self) -> float | None:
+        """When the next registration must be carried by a P request (None: none waits)."""
+        times = [p.claim_by for p in self.regs.values() if p.claim_by is not None]
+        return min(times) if times else None
 
     # --- internals ----------------------------------------------------------------
     def _over_capacity(self, reg: Any, agent: str) -> str | None:
@@ -553,9 +600,34 @@ class Sender:
             if now - pending.received_at > self.ttl:
                 del self.regs[rid]
                 self._fail(pending, "no prefill for this registration within its ttl")
+            elif pending.claim_by is not None and now >= pending.claim_by:
+                self._check_claimed(rid, pending)
         for key, expiry in list(self.tombstones.items()):
             if now >= expiry:
                 del self.tombstones[key]
+
+    def _carried(self, reg: Any) -> bool:
+        """Whether a P request of this engine carries reg's transfer: arrived in P's
+        scheduler (prefilling) or staged."""
+        key = _tomb_key(reg.transfer_id, reg.request_id)
+        return key in self.prefilling or any(
+            _tomb_key(s.blocks.transfer_id, p_id) == key for p_id, s in self.staged.items())
+
+    def _check_claimed(self, key: RegKey, pending: PendingReg) -> None:
+        """`unknown_timeout` after it arrived, a registration no P request carries is a stray
+        (a D leg sent without its P leg, a made-up or mistaken transfer): PUSH_FAIL, so D
+        frees its blocks and computes the prompt itself."""
+        pending.claim_by = None
+        if self._carried(pending.reg):
+            return  # its ttl bounds it from now on
+        del self.regs[key]
+        self.stats.add("kv_push_unknown_transfer_total")
+        reg = pending.reg
+        logger.warning("registration %s (transfer %r) from D %s:%d: no request on this engine "
+                       "carries its transfer after %.1fs: refused", reg.request_id,
+                       reg.transfer_id, *pending.addr, self.unknown_timeout)
+        self._fail(pending, f"unknown transfer: no request on this prefill engine carries it "
+                            f"(waited {self.unknown_timeout:.1f}s)")
 
     def _release(self, p_id: str, failed: bool) -> None:
         """The P request ends: its blocks may be freed (whatever its state). A failure while
@@ -591,6 +663,7 @@ class Sender:
 
     def table_sizes(self) -> dict[str, int]:
         return {"p_staged": len(self.staged), "p_regs": len(self.regs),
+                "p_prefilling": sum(self.prefilling.values()),
                 "p_inflight": len(self.inflight), "p_ready": len(self.ready),
                 "p_outbox": len(self.outbox)}
 

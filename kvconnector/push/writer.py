@@ -38,6 +38,7 @@ class PushWriter(TransferThread):
             "registrations": r.on_registration,
             "watchdog_expired": r.on_watchdog,
             "released": r.on_released,
+            "arrived": lambda a: s.on_arrived(*a),  # before the same request's end
             "finished_blocks": s.on_finished_blocks,
             "aborted": lambda a: s.on_aborted(*a),
         }
