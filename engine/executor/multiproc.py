@@ -180,7 +180,8 @@ class MultiprocExecutor:
                 data = self.responses[rank].get(sentinels, timeout=_CHECK_S)
                 break
             except TimeoutError:
-                self._check_progress(method, rank, started)
+                pass
+            self._check_progress(method, rank, started)
         result = m.decode_reply(method, data)
         if isinstance(result, m.RpcReply):
             raise RuntimeError(f"tensor-parallel worker {rank}: {method} failed: "
