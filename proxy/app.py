@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from engine.server.body_check import body_problem
 from proxy.backends import DECODE, PREFILL, BackendPool, HealthMonitor
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError, error_body
@@ -178,7 +179,8 @@ class ProxyState:
             try:
                 resp = await self.control.get(backend.url + "/v1/models", headers=headers)
             except httpx.HTTPError as exc:
-                self.decode.record_failure(backend, "connection", fatal=True)
+                self.decode.record_failure(backend, "connection",
+                                           unreachable=isinstance(exc, httpx.ConnectError))
                 errors.append(f"{backend.url}: {type(exc).__name__}: {exc}")
                 continue
             if resp.status_code >= 500:
@@ -191,22 +193,32 @@ class ProxyState:
         raise ProxyError(503, f"request {request_id}: no healthy decode backend ({detail})",
                          code="no_healthy_decode")
 
-    def health_report(self) -> JSONResponse:
-        def describe(pool: BackendPool) -> list[dict[str, Any]]:
-            return [{"url": b.url, "healthy": b.healthy, "outstanding": b.outstanding,
-                     "last_error": b.last_error} for b in pool.backends]
-
-        report: dict[str, Any] = {
-            "mode": self.config.mode,
-            "prefill": describe(self.prefill),
-            "decode": describe(self.decode),
-        }
+    def health_report(self, request: Request) -> JSONResponse:
+        """200 while both roles have a backend in rotation, else 503. The backends (URLs,
+        load, last errors) are listed only to callers with the API key (or when there is
+        none): an anonymous caller learns the status and nothing of the deployment."""
         missing = [p.role for p in (self.prefill, self.decode) if not p.healthy()]
-        if not missing:
-            return JSONResponse({"status": "ok", **report})
-        body = error_body(f"no healthy {' or '.join(missing)} backend", 503,
-                          code="no_healthy_backend")
-        return JSONResponse({"status": "unavailable", **body, **report}, status_code=503)
+        status = {"status": "unavailable" if missing else "ok"}
+        if missing:
+            status.update(error_body("no healthy backend" if self._anonymous(request) else
+                                     f"no healthy {' or '.join(missing)} backend", 503,
+                                     code="no_healthy_backend"))
+        if not self._anonymous(request):
+            status.update(mode=self.config.mode, prefill=_describe(self.prefill),
+                          decode=_describe(self.decode))
+        return JSONResponse(status, status_code=503 if missing else 200)
+
+    def _anonymous(self, request: Request) -> bool:
+        try:
+            self.authorize(request, "")
+        except ProxyError:
+            return True
+        return False
+
+
+def _describe(pool: BackendPool) -> list[dict[str, Any]]:
+    return [{"url": b.url, "healthy": b.healthy, "outstanding": b.outstanding,
+             "last_error": b.last_error} for b in pool.backends]
 
 
 def _request_id(request: Request) -> str:
@@ -239,8 +251,15 @@ async def _read_json_body(request: Request, limit: int, request_id: str) -> dict
         body = json.loads(buf)
     except ValueError as exc:
         raise ProxyError(400, f"request {request_id}: malformed JSON body: {exc}") from None
+    except RecursionError:
+        raise ProxyError(400, f"request {request_id}: malformed JSON body: nested too "
+                         "deeply") from None
     if not isinstance(body, dict):
         raise ProxyError(400, f"request {request_id}: the request body must be a JSON object")
+    problem = body_problem(body)  # the engines judge the same; no leg for a hostile body
+    if problem is not None:
+        path, what = problem
+        raise ProxyError(400, f"request {request_id}: {path}: {what}", param=path)
     return body
 
 
@@ -272,8 +291,8 @@ def build_app(config: ProxyConfig) -> FastAPI:
         return await state.models(request)
 
     @app.get("/health")
-    async def health() -> Response:
-        return state.health_report()
+    async def health(request: Request) -> Response:
+        return state.health_report(request)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -1,8 +1,11 @@
 """Backend pools: health state, outstanding-leg counts, least-outstanding choice, health polling.
 
 Threading: everything here runs on the proxy's event loop; no locks. A backend is in rotation
-iff `healthy`. It leaves rotation when a health check fails or a leg hits a connection error,
-and returns only through a passing health check.
+iff `healthy`. It leaves rotation when a health check fails or a leg cannot connect to it, and
+returns only through a passing health check. A leg that fails once the backend has the request
+(a 5xx, a reset, a timeout) may have failed because of the request itself, and no request may
+take a healthy backend out of rotation: such a failure is counted and triggers an immediate
+health check (`HealthMonitor.recheck`), whose verdict decides.
 """
 
 from __future__ import annotations
@@ -21,9 +24,6 @@ logger = logging.getLogger("pdserve.proxy")
 PREFILL = "prefill"
 DECODE = "decode"
 
-# Legs failing this many times in a row (without a connection error) take a backend out too.
-MAX_CONSECUTIVE_FAILURES = 3
-
 
 @dataclass(eq=False)
 class Backend:
@@ -31,7 +31,6 @@ class Backend:
     role: str
     healthy: bool = False
     outstanding: int = 0
-    consecutive_failures: int = 0
     last_error: str = "not checked yet"
     # data-parallel prefill servers: outstanding legs per rank, and where ties start
     rank_outstanding: dict[int, int] = field(default_factory=dict)
@@ -81,6 +80,7 @@ class BackendPool:
         self._metrics = metrics
         self._cursor = 0
         self._on_transition: list[Callable[[Backend], None]] = []
+        self._on_suspect: list[Callable[[BackendPool, Backend], None]] = []
         for b in self.backends:
             metrics.backend_healthy.labels(url=b.url, role=role).set(0)
             metrics.outstanding.labels(url=b.url).set(0)
@@ -88,6 +88,14 @@ class BackendPool:
     def on_transition(self, callback: Callable[[Backend], None]) -> None:
         """Call `callback(backend)` whenever a backend enters or leaves rotation."""
         self._on_transition.append(callback)
+
+    def on_suspect(self, callback: Callable[[BackendPool, Backend], None]) -> None:
+        """Call `callback(pool, backend)` when a leg failed after reaching `backend`."""
+        self._on_suspect.append(callback)
+
+    @property
+    def metrics(self) -> ProxyMetrics:
+        return self._metrics
 
     def healthy(self) -> list[Backend]:
         return [b for b in self.backends if b.healthy]
@@ -122,7 +130,6 @@ class BackendPool:
 
     def set_health(self, backend: Backend, healthy: bool, reason: str = "") -> None:
         if healthy:
-            backend.consecutive_failures = 0
             backend.last_error = ""
         else:
             backend.last_error = reason
@@ -137,12 +144,19 @@ class BackendPool:
         for callback in self._on_transition:
             callback(backend)
 
-    def record_failure(self, backend: Backend, reason: str, *, fatal: bool) -> None:
-        """Count a failed leg. `fatal` (a connection error) takes the backend out at once."""
+    def record_failure(self, backend: Backend, reason: str, *, unreachable: bool) -> None:
+        """Count a failed leg in `backend_failures_total{reason}`.
+
+        `unreachable` (no connection could be made, or P's kv info could not be read: no
+        client input touches either) takes the backend out at once. Any other failure came
+        after the backend had the request, which may have caused it: the backend is only
+        suspected, and an immediate health check decides."""
         self._metrics.backend_failures.labels(url=backend.url, role=self.role, reason=reason).inc()
-        backend.consecutive_failures += 1
-        if fatal or backend.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+        if unreachable:
             self.set_health(backend, False, reason)
+            return
+        for callback in self._on_suspect:
+            callback(self, backend)
 
     def health_result(self, backend: Backend, ok: bool, reason: str = "") -> None:
         """Apply one health-check outcome; a failing check on a backend in rotation is counted."""
@@ -150,9 +164,6 @@ class BackendPool:
             self._metrics.backend_failures.labels(
                 url=backend.url, role=self.role, reason="health_check").inc()
         self.set_health(backend, ok, reason)
-
-    def record_success(self, backend: Backend) -> None:
-        backend.consecutive_failures = 0
 
 
 class HealthMonitor:
@@ -173,21 +184,40 @@ class HealthMonitor:
         self._timeout = timeout
         self._headers = headers or {}
         self._task: asyncio.Task[None] | None = None
+        self._rechecks: dict[str, asyncio.Task[None]] = {}  # backend URL -> its recheck
+        for pool in self._pools:
+            pool.on_suspect(self.recheck)
 
     async def check_once(self) -> None:
         checks = [self._check(pool, b) for pool in self._pools for b in pool.backends]
         await asyncio.gather(*checks)
 
-    async def _check(self, pool: BackendPool, backend: Backend) -> None:
+    def recheck(self, pool: BackendPool, backend: Backend) -> None:
+        """Check `backend` now, once a leg to it failed after reaching it; at most one such
+        check per backend at a time, so failing requests cannot flood it with checks.
+        Counted in `backend_rechecks_total{outcome}`."""
+        running = self._rechecks.get(backend.url)
+        if running is not None and not running.done():
+            return
+        self._rechecks[backend.url] = asyncio.get_running_loop().create_task(
+            self._recheck(pool, backend), name="proxy-recheck")
+
+    async def _recheck(self, pool: BackendPool, backend: Backend) -> None:
+        ok = await self._check(pool, backend)
+        pool.metrics.backend_rechecks.labels(url=backend.url, role=pool.role,
+                                             outcome="healthy" if ok else "unhealthy").inc()
+
+    async def _check(self, pool: BackendPool, backend: Backend) -> bool:
         try:
             resp = await self._client.get(
                 backend.url + "/health", headers=self._headers, timeout=self._timeout
             )
         except httpx.HTTPError as exc:
             pool.health_result(backend, False, f"health check failed: {type(exc).__name__}: {exc}")
-            return
+            return False
         ok = resp.status_code == 200
         pool.health_result(backend, ok, "" if ok else f"health check answered {resp.status_code}")
+        return ok
 
     def start(self) -> None:
         assert self._task is None, "health monitor started twice"
@@ -202,6 +232,10 @@ class HealthMonitor:
                 logger.exception("health check round failed")
 
     async def stop(self) -> None:
+        rechecks = [t for t in self._rechecks.values() if not t.done()]
+        for task in rechecks:
+            task.cancel()
+        await asyncio.gather(*rechecks, return_exceptions=True)
         if self._task is not None:
             self._task.cancel()
             try:

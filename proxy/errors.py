@@ -64,11 +64,19 @@ class ProxyError(Exception):
         return error_body(self.message, self.status, param=self.param, code=self.code)
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return _AsciiJSONResponse(self.body(), status_code=self.status, headers=headers)
 
     def sse_event(self) -> bytes:
         """The error as one server-sent event, for failures after a stream has started."""
         return b"data: " + json.dumps(self.body()).encode() + b"\n\n"
+
+
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: a backend's error body passed through
+    may hold anything JSON can (a lone surrogate too), and rendering it must never fail."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
 
 
 def backend_error_body(raw: bytes) -> tuple[dict[str, Any] | None, str]:

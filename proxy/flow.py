@@ -137,7 +137,7 @@ class Dispatcher:
                 return lease, await self._kv_info(ctx, lease, self.kv_info.get(lease.url))
             except KVInfoError as exc:
                 lease.release()
-                self.prefill.record_failure(lease.backend, "kv_info", fatal=True)
+                self.prefill.record_failure(lease.backend, "kv_info", unreachable=True)
                 tried.append(lease.backend)
                 errors.append(str(exc))
                 logger.warning("request %s: %s", ctx.request_id, exc)

@@ -148,20 +148,29 @@ async def run_prefill_leg(
                                timeout=timeout) as resp:
             status, content = resp.status, await resp.read()
     except TimeoutError as exc:  # aiohttp's timeouts are TimeoutErrors (before ClientError)
-        pool.record_failure(lease.backend, "timeout", fatal=False)
+        pool.record_failure(lease.backend, "timeout", unreachable=False)
         return PrefillResult(url, None, b"", f"timed out ({type(exc).__name__})")
     except aiohttp.ClientError as exc:
-        pool.record_failure(lease.backend, "connection", fatal=True)
+        record_connection_failure(pool, lease, exc)
         return PrefillResult(url, None, b"", f"{type(exc).__name__}: {exc}")
     finally:
         lease.release()
     if status == 200:
-        pool.record_success(lease.backend)
         return PrefillResult(url, 200, content)
     _, detail = backend_error_body(content)
     if status >= 500:
-        pool.record_failure(lease.backend, f"http_{status}", fatal=False)
+        pool.record_failure(lease.backend, f"http_{status}", unreachable=False)
     return PrefillResult(url, status, content, f"answered {status}: {detail}")
+
+
+def record_connection_failure(pool: BackendPool, lease: Lease, exc: BaseException) -> None:
+    """A leg's connection failed: refused or unresolvable (the backend is unreachable: out of
+    rotation at once), or broken after the backend had the request ("disconnected": a reset
+    that request may have caused; a health check decides)."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        pool.record_failure(lease.backend, "connection", unreachable=True)
+    else:
+        pool.record_failure(lease.backend, "disconnected", unreachable=False)
 
 
 # ---- decode leg ---------------------------------------------------------------------------
@@ -234,7 +243,7 @@ async def open_decode_leg(
         except TimeoutError as exc:
             raise _decode_timeout(pool, lease, request_id, exc) from exc
         except aiohttp.ClientError as exc:
-            pool.record_failure(lease.backend, "connection", fatal=True)
+            record_connection_failure(pool, lease, exc)
             raise ProxyError(502, f"request {request_id}: decode backend {url} failed: "
                              f"{type(exc).__name__}: {exc}", code="decode_failed") from exc
         if resp.status != 200:
@@ -246,10 +255,9 @@ async def open_decode_leg(
         except TimeoutError as exc:
             raise _decode_timeout(pool, lease, request_id, exc) from exc
         except aiohttp.ClientError as exc:
-            pool.record_failure(lease.backend, "connection", fatal=True)
+            record_connection_failure(pool, lease, exc)
             raise ProxyError(502, f"request {request_id}: decode backend {url} broke off: "
                              f"{type(exc).__name__}: {exc}", code="decode_failed") from exc
-        pool.record_success(lease.backend)
         return DecodeStream(lease, resp, chunks, first)
     except BaseException:
         if resp is not None:
@@ -260,7 +268,7 @@ async def open_decode_leg(
 
 def _decode_timeout(pool: BackendPool, lease: Lease, request_id: str,
                     exc: BaseException) -> ProxyError:
-    pool.record_failure(lease.backend, "timeout", fatal=False)
+    pool.record_failure(lease.backend, "timeout", unreachable=False)
     return ProxyError(504, f"request {request_id}: decode backend {lease.url} timed out "
                       f"({type(exc).__name__})", code="decode_timeout")
 
@@ -272,7 +280,7 @@ def _decode_status_error(
     if 400 <= status < 500:
         # the request itself is bad: D's answer goes to the client as it is
         return ProxyError(status, f"request {request_id}: {detail}", body=passthrough)
-    pool.record_failure(lease.backend, f"http_{status}", fatal=False)
+    pool.record_failure(lease.backend, f"http_{status}", unreachable=False)
     return ProxyError(
         502, f"request {request_id}: decode backend {lease.url} answered {status}: {detail}",
         code="decode_failed",

@@ -57,6 +57,12 @@ class ProxyMetrics:
             "Failed legs and health checks by backend and reason.",
             ["url", "role", "reason"], registry=r,
         )
+        self.backend_rechecks = Counter(
+            "pdserve:proxy_backend_rechecks",
+            "Immediate health checks after a leg failed once the backend had the request, "
+            "by outcome (healthy: the backend stays in rotation; unhealthy: it leaves).",
+            ["url", "role", "outcome"], registry=r,
+        )
         self.prefill_failures = Counter(
             "pdserve:proxy_prefill_leg_failures",
             "Failed P legs by the action the p-failure-policy took.",

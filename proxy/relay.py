@@ -25,7 +25,13 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from proxy.errors import ProxyError
-from proxy.legs import DecodeStream, PrefillResult, cancel_and_wait, next_chunk
+from proxy.legs import (
+    DecodeStream,
+    PrefillResult,
+    cancel_and_wait,
+    next_chunk,
+    record_connection_failure,
+)
 
 logger = logging.getLogger("pdserve.proxy")
 
@@ -229,7 +235,7 @@ class RelayResponse(Response):
 
     def _decode_broke(self, exc: Exception) -> _Abort:
         lease = self.stream.lease
-        lease.pool.record_failure(lease.backend, "connection", fatal=True)
+        record_connection_failure(lease.pool, lease, exc)
         return _Abort(DECODE_FAILED, ProxyError(
             502, f"request {self.request_id}: decode backend {lease.url} broke off the "
             f"stream: {type(exc).__name__}: {exc}", code="decode_failed"))

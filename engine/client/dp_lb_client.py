@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -40,6 +41,18 @@ from engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreReque
 logger = logging.getLogger(__name__)
 
 _COORDINATOR_POLL_MS = 200
+_RANK_DIED = re.compile(r"data-parallel engine \d+ died: ")
+
+
+def rank_died_message(rank: int, error: BaseException) -> str:
+    """The error of a request its rank's death ended (also one added in the moment before
+    the death was seen): the server answers it like a dead engine, 503, never 500."""
+    return f"data-parallel engine {rank} died: {error}"
+
+
+def is_rank_death(error: str | None) -> bool:
+    """Whether a request's error is `rank_died_message`'s."""
+    return error is not None and _RANK_DIED.match(error) is not None
 
 
 class DPLBAsyncClient(AsyncEngineCoreClient):
@@ -102,7 +115,7 @@ class DPLBAsyncClient(AsyncEngineCoreClient):
             del self.owner[rid]
         logger.error("data-parallel engine %d died (%s); failing its %d request(s), %d "
                      "engine(s) still serving", rank, error, len(lost), sum(self.balancer.alive))
-        message = f"data-parallel engine {rank} died: {error}"
+        message = rank_died_message(rank, error)
         if lost:
             self._outputs.put_nowait(EngineCoreOutputs(
                 engine_index=rank, timestamp=time.time(),

@@ -25,6 +25,7 @@ _ESCAPES = {"%": "%25", ":": "%3A", ",": "%2C"}
 _UNESCAPES = {v: k for k, v in _ESCAPES.items()}
 _ESCAPED = re.compile("|".join(re.escape(k) for k in _ESCAPES))
 _UNESCAPED = re.compile("|".join(re.escape(k) for k in _UNESCAPES))
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def make_internal_request_id(external_id: str) -> str:
@@ -98,6 +99,10 @@ class InputProcessor:
             raise ValueError("prompt must be given as prompt_token_ids: no tokenizer loaded")
         if not text:
             raise ValueError("prompt must not be empty")
+        bad = _SURROGATE.search(text)
+        if bad is not None:  # the tokenizer would raise a TypeError: the caller's mistake
+            raise ValueError(f"prompt is not valid Unicode: lone surrogate "
+                             f"U+{ord(bad.group()):04X} at index {bad.start()}")
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
     def _validate_ids(self, ids: list[int]) -> None:

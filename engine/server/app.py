@@ -94,6 +94,7 @@ def build_app(
         max_body_bytes=settings.max_request_body_bytes,
         is_draining=lambda: app.state.draining,
         public_metrics=settings.public_metrics,
+        on_error=lambda path, status: _count_error(app, path, status),
     )
 
     async def engine_alive() -> None:
@@ -197,6 +198,16 @@ def build_app(
         return JSONResponse(info)
 
     return app
+
+
+def _count_error(app: FastAPI, path: str, status: int) -> None:
+    """One error response in `pdserve:http_request_errors_total`; a path the app does not
+    serve is "other", so clients cannot grow the label set."""
+    known = getattr(app.state, "route_paths", None)
+    if known is None:
+        known = app.state.route_paths = frozenset(getattr(r, "path", "") for r in app.routes)
+    app.state.metrics.http_errors.labels(route=path if path in known else "other",
+                                         status=str(status)).inc()
 
 
 def _vocab_size(tokenizer: Any) -> int | None:

@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.server.completions import CLIENT_CLOSED
-from engine.server.errors import APIError
+from engine.server.errors import APIError, request_failed_error
 from engine.server.logprobs import TokenText, chat_logprobs
 from engine.server.openai_protocol import (
     ChatChoice,
@@ -111,8 +111,7 @@ def _response(
     if final is None:
         raise APIError(f"request {rid} ended without output", 500)
     if final.error:
-        raise APIError(f"request {final.request_id} failed: {final.error}", 500,
-                       code="request_failed")
+        raise request_failed_error(final.request_id, final.error)
     token_text = TokenText(ctx.tokenizer)
     choices = []
     completion_tokens = 0
@@ -156,8 +155,7 @@ async def _stream(
 
     def chunks(out: Any) -> list[str]:
         if out.error:
-            raise APIError(f"request {out.request_id} failed: {out.error}", 500,
-                           code="request_failed")
+            raise request_failed_error(out.request_id, out.error)
         state["prompt_tokens"] = len(out.prompt_token_ids)
         lines = []
         for comp in out.outputs:

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.server.errors import APIError
+from engine.server.errors import APIError, request_failed_error
 from engine.server.logprobs import (
     TokenText,
     completion_logprobs,
@@ -69,7 +69,7 @@ def _prompt_text(ctx: ServingContext, out: Any) -> str:
 
 
 def _request_failed(out: Any) -> APIError:
-    return APIError(f"request {out.request_id} failed: {out.error}", 500, code="request_failed")
+    return request_failed_error(out.request_id, out.error)
 
 
 async def create_completion(

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.client.base import EngineDeadError
+from engine.client.dp_lb_client import is_rank_death
 
 logger = logging.getLogger("pdserve.server")
 
@@ -55,12 +56,18 @@ def error_body(
 ) -> dict[str, Any]:
     return {
         "error": {
-            "message": message,
+            "message": _printable(message),
             "type": _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error"),
-            "param": param,
+            "param": None if param is None else _printable(param),
             "code": code if code is not None else _default_code(status),
         }
     }
+
+
+def _printable(text: str) -> str:
+    """`text` with anything UTF-8 cannot carry (lone surrogates a client sent, echoed in a
+    message) escaped, so rendering an error can never fail into a 500."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _default_code(status: int) -> str:
@@ -96,6 +103,15 @@ def from_value_error(exc: ValueError) -> APIError:
     return APIError(message, 400, param=first if first in _PARAMS else None)
 
 
+def request_failed_error(request_id: str, error: str | None) -> APIError:
+    """A request the engine ended with an error: 503 when its data-parallel engine died
+    under it (the engine is unavailable, as for EngineDeadError), else 500."""
+    if is_rank_death(error):
+        return APIError(f"the engine is unavailable: request {request_id} failed: {error}",
+                        503, code="engine_dead")
+    return APIError(f"request {request_id} failed: {error}", 500, code="request_failed")
+
+
 def dead_engine_error(exc: BaseException | None = None) -> APIError:
     detail = f": {exc}" if exc is not None and str(exc) else ""
     return APIError(f"the engine is unavailable{detail}", 503, code="engine_dead")
@@ -124,6 +140,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "invalid request body", None
     err = errors[0]
     kind = err.get("type", "")
+    if kind == "inadmissible_body":  # body_check's verdict on the whole body
+        path = (err.get("ctx") or {}).get("path")
+        return err.get("msg", "inadmissible body"), path
     param, union = _param_path(err.get("loc", ()))
     if union and param is not None:  # every member of a union rejected the value
         got = repr(err.get("input"))[:80]
@@ -133,8 +152,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"malformed JSON body: {ctx.get('error', err.get('msg', ''))}", None
     if kind == "missing" and param is None:
         return "the request needs a JSON body", None
-    if kind == "model_attributes_type" or (param is None and kind.endswith("_type")):
+    if param is None and kind.endswith("_type"):
         return "the request body must be a JSON object", None
+    if kind in ("model_attributes_type", "model_type", "dict_type"):
+        return f"{param}: must be a JSON object", param
     more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
     return f"{param or 'body'}: {err.get('msg', 'invalid value')}{more}", param
 
@@ -154,7 +175,10 @@ def install_error_handlers(app: FastAPI) -> None:
         status = exc.status_code
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(status).phrase
         if status == 400 and "parsing the body" in message:
-            message = "malformed request body: " + str(exc.__cause__ or message)
+            cause = exc.__cause__
+            message = ("malformed request body: JSON nested too deeply"
+                       if isinstance(cause, RecursionError)
+                       else "malformed request body: " + str(cause or message))
         return error_response(message, status, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(EngineDeadError)

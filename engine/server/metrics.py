@@ -145,6 +145,10 @@ class ServerMetrics:
         self.requests_finished = Counter(
             PREFIX + "request_success", "Finished requests by finish reason.",
             [*names, "finished_reason"], registry=reg)
+        self.http_errors = Counter(
+            PREFIX + "http_request_errors",
+            "Error responses sent, by route (\"other\" for unknown paths) and HTTP status.",
+            ["route", "status"], registry=reg)
         indexes = list(engine_indexes) if engine_indexes is not None else [engine_index]
         self.engines = {i: _EngineSeries(families, [model_name, str(i)]) for i in indexes}
         self._first = self.engines[indexes[0]]

@@ -9,6 +9,8 @@ Order per HTTP request:
    body is read here, counting bytes as they stream in (413 as soon as the limit is passed),
    and replayed to the app. After the body, `receive` is the server's again, so the app still
    sees `http.disconnect` when the client goes away.
+Every response status >= 400, from here or from the app, is reported to `on_error(path,
+status)` (the server's `pdserve:http_request_errors_total`).
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ class GuardMiddleware:
         max_body_bytes: int,
         is_draining: Callable[[], bool],
         public_metrics: bool = False,
+        on_error: Callable[[str, int], None] | None = None,
     ) -> None:
         self.app = app
+        self.on_error = on_error
         self.api_key = api_key
         self.open_paths = frozenset(("/health", "/metrics") if public_metrics else ("/health",))
         self.max_body_bytes = max_body_bytes
@@ -54,6 +58,8 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         path: str = scope.get("path", "")
+        if self.on_error is not None:
+            send = _reporting(send, path, self.on_error)
         if self.is_draining() and path not in _ALWAYS_OPEN:
             await _send_error(send, 503, "the server is shutting down", "draining",
                               [(b"connection", b"close")])
@@ -105,6 +111,15 @@ class GuardMiddleware:
                 except ValueError:
                     return None
         return None
+
+
+def _reporting(send: Send, path: str, on_error: Callable[[str, int], None]) -> Send:
+    async def reporting(message: Message) -> None:
+        if message["type"] == "http.response.start" and message["status"] >= 400:
+            on_error(path, message["status"])
+        await send(message)
+
+    return reporting
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

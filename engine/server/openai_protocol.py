@@ -5,6 +5,8 @@ repetition_penalty, min_tokens, ignore_eos, stop_token_ids, ...) and `kv_transfe
 Unknown fields are ignored, as vLLM does, so clients sending newer OpenAI fields still work;
 fields we accept but cannot honour (logit_bias, suffix, tools, ...) are a 400 naming them.
 Range checks live in `SamplingParams` (one source of truth); its ValueError names the field.
+Every body is first judged whole (`body_check`: valid Unicode, bounded nesting), and no
+integer or float field takes a JSON `true`/`false` (pydantic's lax mode would read 1/0).
 """
 
 from __future__ import annotations
@@ -12,21 +14,53 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_serializer
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    FiniteFloat,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from engine.protocol import RequestOutputKind, SamplingParams
+from engine.server.body_check import body_problem
 from engine.server.errors import APIError, from_value_error
 
 _MAX_N = 128
 
+
+def _not_bool(value: Any) -> Any:
+    """JSON true/false is never a number here (`prompt: [true, false]` is not token ids)."""
+    if isinstance(value, bool):
+        raise PydanticCustomError("bool_not_number", "a boolean is not a number")
+    return value
+
+
+NoBool = BeforeValidator(_not_bool)
 # Bounded ints keep every value representable on the msgpack wire (a 10**30 is a 400, not a 500).
-Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
-TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
-Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+Int32 = Annotated[int, NoBool, Field(ge=-(2**31), le=2**31 - 1)]
+TokenId = Annotated[int, NoBool, Field(ge=0, le=2**31 - 1)]
+Seed = Annotated[int, NoBool, Field(ge=-(2**63), le=2**63 - 1)]
+Float = Annotated[FiniteFloat, NoBool]
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _admissible(cls, data: Any) -> Any:
+        """The whole body, before any field: text that is not valid Unicode or nesting
+        past MAX_JSON_DEPTH is a 400 naming the field (errors.py reads the ctx)."""
+        problem = body_problem(data)
+        if problem is not None:
+            path, what = problem
+            raise PydanticCustomError("inadmissible_body", "{path}: {what}",
+                                      {"path": path, "what": what})
+        return data
 
 
 class StreamOptions(BaseModel):
@@ -41,16 +75,16 @@ class _SamplingFields(_Request):
     model: str | None = None
     n: Int32 = 1
     best_of: Int32 | None = None
-    temperature: FiniteFloat | None = None
-    top_p: FiniteFloat | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
     top_k: Int32 | None = None
-    min_p: FiniteFloat | None = None
+    min_p: Float | None = None
     seed: Seed | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
-    presence_penalty: FiniteFloat | None = None
-    frequency_penalty: FiniteFloat | None = None
-    repetition_penalty: FiniteFloat | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    repetition_penalty: Float | None = None
     min_tokens: Int32 = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
@@ -58,9 +92,9 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, FiniteFloat] | None = None
+    logit_bias: dict[str, Float] | None = None
     kv_transfer_params: dict[str, Any] | None = None
-    data_parallel_rank: int | None = None  # pin to this DP engine of the server
+    data_parallel_rank: Int32 | None = None  # pin to this DP engine of the server
 
     def _check_unsupported(self) -> None:
         if self.logit_bias:
