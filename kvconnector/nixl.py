@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["NixlTransport", "PeerConflict", "TransferError", "XferHandle", "count_runs"]
 
 
+MAX_AGENT_BINDINGS = 4096
+
+
 class TransferError(RuntimeError):
     """A transfer or notification could not be submitted; the message names the peer."""
 
@@ -61,7 +65,11 @@ class TransferError(RuntimeError):
 
 
 class PeerConflict(TransferError):
-    """A peer blob under an agent name already loaded from another side-channel address."""
+    """A peer blob under an agent name bound to another side-channel address (`bound`)."""
+
+    def __init__(self, message: str, name: str, bound: str | None) -> None:
+        super().__init__(message)
+        self.name, self.bound = name, bound
 
 
 def count_runs(local_ids: Any, remote_ids: Any) -> int:
@@ -141,7 +149,11 @@ class NixlTransport:
         self.device_id = kv_cache.device.index or 0
         self._lock = threading.RLock()
         self._peers: dict[str, _Peer] = {}
-        self.refused_peers = 0  # blobs refused by add_peer (PeerConflict)
+        self.refused_peers = 0  # blobs refused for a name bound elsewhere (count_refused)
+        # agent name -> the address it was first loaded from; outlives remove_peer (an idle
+        # peer dropped must not free its name for an impostor) until `unbind` (the address
+        # was found gone); bounded LRU
+        self._bindings: OrderedDict[str, str | None] = OrderedDict()
         self._live: set[XferHandle] = set()
         self._closed = False
 
@@ -172,15 +184,15 @@ class NixlTransport:
     def add_peer(self, meta: AgentMetadata, source: str | None = None) -> str:
         """Load a peer's metadata and prepare its block descriptors. Idempotent per blob.
 
-        ``source`` is the side-channel address ("host:port") the metadata came from. While an
-        agent is loaded its name is bound to that address: a blob for a loaded name from
-        another address is refused with :class:`PeerConflict` (counted in
-        ``refused_peers``) and the loaded peer stays — otherwise anyone serving a blob under
-        a real engine's agent name (named in a PUSH_REG) would have our next WRITE for that
-        engine land in its memory. The same address may replace the blob (a restart). The
-        binding ends with the peer (:meth:`remove_peer`): a name is never held for an
-        address that no longer serves it, so a peer that was dropped — an impostor, a relay,
-        a restarted engine on another port — cannot keep the real one out."""
+        ``source`` is the side-channel address ("host:port") the metadata came from. An agent
+        name is bound to the first address it was loaded from: a blob for that name from
+        another address raises :class:`PeerConflict` and the loaded peer stays — otherwise
+        anyone serving a blob under a real engine's agent name (named in a PUSH_REG) would
+        have our next WRITE for that engine land in its memory. The same address may replace
+        the blob (a restart). The binding outlives an idle peer's removal, and ends only by
+        :meth:`unbind`, once the caller found nobody serving that name at the bound address
+        any more (`kvconnector.peers`): so whoever was loaded first — an impostor, a relay
+        — cannot keep the real engine out after it has gone."""
         layout = self._other_heads(meta)
         if meta.physical_blocks_per_logical != 1 or (
                 layout is None and meta.bytes_per_block != self.bytes_per_block):
@@ -192,13 +204,12 @@ class NixlTransport:
             old = self._peers.get(meta.agent_name)
             if old is not None and old.meta.agent_blob == meta.agent_blob:
                 return meta.agent_name
-            bound = old.source if old is not None else source
+            bound = self._bindings.get(meta.agent_name, source)
             if source != bound:
-                self.refused_peers += 1
                 raise PeerConflict(
                     f"peer agent {meta.agent_name!r} (engine {meta.engine_id!r}) is bound to "
                     f"{bound or '?'}; refusing a different blob under that name from "
-                    f"{source or '?'}")
+                    f"{source or '?'}", meta.agent_name, bound)
             if old is not None:
                 self._remove_peer_locked(meta.agent_name)
             name = self._agent.add_remote_agent(meta.agent_blob)
@@ -211,6 +222,10 @@ class NixlTransport:
                 name, _block_descs(meta.base_addr, meta.num_blocks, meta.bytes_per_block,
                                    meta.device_id), meta.mem_type)
             self._peers[name] = _Peer(meta, dlist, source, layout)
+            self._bindings[name] = source
+            self._bindings.move_to_end(name)
+            while len(self._bindings) > MAX_AGENT_BINDINGS:
+                self._bindings.popitem(last=False)
         logger.info("NIXL %s: added peer %s (engine %r, %d blocks) from %s", self.name, name,
                     meta.engine_id, meta.num_blocks, source or "?")
         return name
@@ -236,6 +251,25 @@ class NixlTransport:
                 f" of {ours.total_heads}: not a split of the same model's heads we can pair "
                 f"(KV heads replicated over ranks pair only between equal TP sizes)")
         return theirs
+
+    def unbind(self, name: str, source: str | None) -> None:
+        """Nobody serves `name` at `source` any more: free the name (and drop the agent if it
+        is still loaded from there), so the next blob under it binds afresh."""
+        with self._lock:
+            if self._bindings.get(name) != source:
+                return
+            del self._bindings[name]
+            peer = self._peers.get(name)
+            if peer is not None and peer.source == source:
+                self._remove_peer_locked(name)
+        logger.info("NIXL %s: agent name %s no longer bound to %s (gone)", self.name, name,
+                    source or "?")
+
+    def count_refused(self, conflict: PeerConflict) -> None:
+        """A blob finally refused for a name bound elsewhere (`kv_refused_peers_total`)."""
+        with self._lock:
+            self.refused_peers += 1
+        logger.warning("NIXL %s: %s", self.name, conflict)
 
     def remove_peer(self, name: str) -> None:
         with self._lock:

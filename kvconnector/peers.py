@@ -14,6 +14,13 @@ Bounded state, whatever remote input names (docs/design.md §4, invariant 7):
 - at most `MAX_PEERS` addresses; an address idle for `idle_after` seconds that no transfer
   still needs is dropped by `prune`, and so is its NIXL agent.
 
+An agent name stays bound to the address it was first loaded from (`NixlTransport.add_peer`).
+When another address serves a blob under a bound name, the handshake stays pending while the
+bound address is probed: if nobody answers there any more ("gone": the first was an impostor
+or a relay that left, or the engine moved), the name is unbound and the new blob loaded;
+otherwise the new blob is refused and counted (`kv_refused_peers_total`). So the first to
+claim a name keeps it only while it keeps serving it.
+
 Liveness probes answer "alive" (the same agent answers), "gone" (connection refused, or a
 different agent or blob answers: the process we knew has exited) or "silent" (no answer: frozen,
 overloaded or cut off — it may still write later).
@@ -68,12 +75,16 @@ class Peers:
                  wake: threading.Event, clock: Callable[[], float],
                  retry_after: float = 5.0, *,
                  remove_peer: Callable[[str], None] | None = None,
+                 unbind: Callable[[str, str | None], None] | None = None,
+                 refused: Callable[[Exception], None] | None = None,
                  idle_after: float = 60.0) -> None:
         # (host, port[, tp_rank]) -> metadata, raises on failure (any thread)
         self._fetch = fetch
         # (metadata, "host:port" it came from) -> agent name (writer thread only)
         self._add_peer = add_peer
         self._remove_peer = remove_peer  # agent name -> None (transfer thread only)
+        self._unbind = unbind  # (agent name, bound "host:port"): free a gone peer's name
+        self._refused = refused  # a blob finally refused for a name bound elsewhere
         self._wake = wake
         self._clock = clock
         self._retry_after = retry_after
@@ -82,6 +93,8 @@ class Peers:
         self._first_contacts = 0
         self._done: queue.SimpleQueue[tuple[Address, Any, BaseException | None, bool]] = (
             queue.SimpleQueue())
+        # binding checks: (address, its blob, the conflict, the bound address's verdict)
+        self._checked: queue.SimpleQueue[tuple[Address, Any, Any, str]] = queue.SimpleQueue()
         self._known_pool = ThreadPoolExecutor(max_workers=_KNOWN_WORKERS,
                                               thread_name_prefix="nixl-handshake")
         self._new_pool = ThreadPoolExecutor(max_workers=MAX_FIRST_CONTACTS,
@@ -132,6 +145,7 @@ class Peers:
 
     def apply_finished(self) -> None:
         """Transfer thread: turn finished handshakes into ready or failed peers."""
+        self._apply_checks()
         while True:
             try:
                 addr, meta, exc, first = self._done.get_nowait()
@@ -142,20 +156,72 @@ class Peers:
             if state is None or state.status != "pending":
                 continue  # forgotten meanwhile
             if exc is None and meta is not None:
-                try:
-                    old = state.agent_name
-                    state.agent_name = self._add_peer(meta, f"{addr[0]}:{addr[1]}")
-                    state.engine_id = getattr(meta, "engine_id", None)
-                    state.agent_blob = getattr(meta, "agent_blob", None)
-                    state.status = "ready"
-                    if old is not None and old != state.agent_name:
-                        self._drop_agent(old)  # the peer restarted: its old agent is gone
-                    logger.info("handshake with %s:%d done (%s)", *addr, state.agent_name)
+                exc = self._load(addr, state, meta)
+                if exc is None:
                     continue
-                except Exception as e:  # noqa: BLE001 - a bad peer must not kill the thread
-                    exc = e
-            state.status, state.reason, state.failed_at = "failed", str(exc), self._clock()
-            logger.warning("handshake with %s:%d failed: %s", *addr, exc)
+                if getattr(exc, "bound", None) is not None and self._unbind is not None:
+                    self._check_binding(addr, meta, exc)
+                    continue
+                if self._refused is not None and hasattr(exc, "bound"):
+                    self._refused(exc)
+            self._fail(addr, state, exc)
+
+    def _load(self, addr: Address, state: PeerState, meta: Any) -> Exception | None:
+        try:
+            old = state.agent_name
+            state.agent_name = self._add_peer(meta, f"{addr[0]}:{addr[1]}")
+        except Exception as e:  # noqa: BLE001 - a bad peer must not kill the thread
+            return e
+        state.engine_id = getattr(meta, "engine_id", None)
+        state.agent_blob = getattr(meta, "agent_blob", None)
+        state.status = "ready"
+        if old is not None and old != state.agent_name:
+            self._drop_agent(old)  # the peer restarted: its old agent is gone
+        logger.info("handshake with %s:%d done (%s)", *addr, state.agent_name)
+        return None
+
+    def _fail(self, addr: Address, state: PeerState, exc: BaseException | None) -> None:
+        state.status, state.reason, state.failed_at = "failed", str(exc), self._clock()
+        logger.warning("handshake with %s:%d failed: %s", *addr, exc)
+
+    def _check_binding(self, addr: Address, meta: Any, conflict: Any) -> None:
+        """`addr` served a blob under a name bound to another address: probe that one (the
+        handshake stays pending meanwhile; `_apply_checks` decides)."""
+        host, _, port = str(conflict.bound).rpartition(":")
+        bound: Address = (host.strip("[]"), int(port))
+
+        def run() -> None:
+            try:
+                found, exc = self._fetch_meta(bound, None), None
+            except Exception as e:  # noqa: BLE001 - any failure is a verdict
+                found, exc = None, e
+            self._checked.put((addr, meta, conflict, probe_verdict(exc, found, conflict.name)))
+            self._wake.set()
+        self._known_pool.submit(run)
+
+    def _apply_checks(self) -> None:
+        while True:
+            try:
+                addr, meta, conflict, verdict = self._checked.get_nowait()
+            except queue.Empty:
+                return
+            state = self._peers.get(addr)
+            if state is None or state.status != "pending":
+                continue
+            if verdict == GONE:
+                host, _, port = str(conflict.bound).rpartition(":")
+                self.forget((host.strip("[]"), int(port)))
+                self._unbind(conflict.name, conflict.bound)
+                logger.info("KV peer %s no longer serves %s: %s:%d may take the name",
+                            conflict.bound, conflict.name, *addr)
+                exc = self._load(addr, state, meta)
+                if exc is None:
+                    continue
+            else:
+                exc = conflict
+                if self._refused is not None:
+                    self._refused(conflict)
+            self._fail(addr, state, exc)
 
     def known_agent(self, addr: Address) -> str | None:
         """The NIXL agent loaded for this peer, whatever its status now (or None).

@@ -103,9 +103,11 @@ class NixlWorker(KVConnectorWorker):
         wake, clock = threading.Event(), time.monotonic
         if self.prune_idle_peers:
             peers = Peers(self._fetch, t.add_peer, wake, clock, remove_peer=t.remove_peer,
+                          unbind=t.unbind, refused=t.count_refused,
                           idle_after=max(self.lease, 2 * self.hb_interval))
         else:
-            peers = Peers(self._fetch, t.add_peer, wake, clock)
+            peers = Peers(self._fetch, t.add_peer, wake, clock, unbind=t.unbind,
+                          refused=t.count_refused)
         self.thread = self.make_thread(t, peers, wake, clock)
         self.thread.start()
         logger.info("%s connector %s ready: side channel %s:%d", self.mode, ep.engine_id,
