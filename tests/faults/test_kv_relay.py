@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -40,7 +41,8 @@ RELAY = os.path.join(os.path.dirname(__file__), "..", "kv_relay.py")
 @pytest.fixture(scope="module")
 def dep(tiny_model: str):
     with cluster(tiny_model, name="relay", with_proxy=False,
-                 extra={"kv_lease_duration": 2.0, "push_registration_timeout": 6.0},
+                 extra={"kv_lease_duration": 2.0, "push_registration_timeout": 6.0,
+                        "kv_peer_allowlist": "127.0.0.0/8", "kv_peer_ports": "1024-65535"},
                  p_args=("--kv-secret", SECRET), d_args=[("--kv-secret", SECRET)]) as d:
         yield d
 
@@ -120,6 +122,35 @@ def test_the_engines_still_serve_metadata_to_a_direct_client_with_the_secret(dep
     meta = fetch_peer_metadata("127.0.0.1", dep.kv_ports["P0"], None, 5.0,
                                security=KVSecurity(SECRET.encode()))
     assert meta.engine_id == "P0"
+
+
+def test_d_refuses_a_side_channel_outside_its_allowlist_or_ports_before_dialling(dep):
+    """Issue 26, finding 7: D dialled any host:port a client named (a port prober). With
+    kv_peer_allowlist / kv_peer_ports set, such a D leg is a 400 naming the field, and the
+    port named is never connected to."""
+    d = dep.decodes[0]
+    victim = socket.socket()
+    try:
+        victim.bind(("127.0.0.1", 1000))  # below kv_peer_ports; binding it needs root
+    except PermissionError:
+        victim.close()
+        pytest.skip("binding a port below 1024 needs root")
+    victim.listen()
+    victim.setblocking(False)
+    try:
+        prompt = prompts(1, seed=2603)[0]
+        for field, kw in (("remote_port", {"remote_port": 1000}),
+                          ("remote_host", {"remote_host": "10.1.2.3"})):
+            _, leg = legs(dep, prompt, f"probe-{field}")
+            leg["kv_transfer_params"].update(kw)
+            r = post_sync(d.url, leg, f"probe-{field}")
+            assert r.status_code == 400, r.text
+            assert f"kv_transfer_params.{field}" in r.json()["error"]["message"]
+        with pytest.raises(BlockingIOError):
+            victim.accept()  # nobody knocked
+    finally:
+        victim.close()
+    assert text_of(post_sync(d.url, plain(prompt), "after-probe"))
 
 
 @pytest.fixture(scope="module")
