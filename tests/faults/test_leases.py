@@ -43,7 +43,9 @@ def dep(tiny_model: str, tp: int):
     tp_args = ("--tensor-parallel-size", str(tp))
     with cluster(tiny_model, num_blocks=D_BLOCKS, p_args=("--num-kv-blocks", "256", *tp_args),
                  d_args=[tp_args],
-                 extra={"kv_lease_duration": LEASE, "push_registration_timeout": 20},
+                 # the hog's P leg comes seconds after its D leg: not a stray registration
+                 extra={"kv_lease_duration": LEASE, "push_registration_timeout": 20,
+                        "push_unknown_transfer_timeout": 20},
                  with_proxy=False, name=f"leases-tp{tp}") as d:
         yield d
 
