@@ -225,17 +225,22 @@ while True:
 """
 
 
-@pytest.fixture
-def fake_server(request: pytest.FixtureRequest) -> Iterator[int]:
-    proc = subprocess.Popen([sys.executable, "-c", FAKE_SERVER, request.param,
-                             msgspec.msgpack.encode(META).hex()],
-                            stdout=subprocess.PIPE, text=True, env={**os.environ})
+@contextlib.contextmanager
+def _listening(*argv: str) -> Iterator[int]:
+    """A Python process that prints the port it listens on; killed afterwards."""
+    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         yield int(proc.stdout.readline())
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture
+def fake_server(request: pytest.FixtureRequest) -> Iterator[int]:
+    with _listening("-c", FAKE_SERVER, request.param, msgspec.msgpack.encode(META).hex()) as p:
+        yield p
 
 
 @pytest.mark.parametrize("fake_server", ["forged"], indirect=True)
@@ -268,17 +273,9 @@ def test_a_huge_handshake_reply_fails_fast_with_bounded_memory(fake_server):
 RELAY = os.path.join(os.path.dirname(__file__), "..", "kv_relay.py")
 
 
-@contextlib.contextmanager
-def relay_to(port: int, record: str) -> Iterator[int]:
+def relay_to(port: int, record: str) -> contextlib.AbstractContextManager[int]:
     """A relay process in front of the side channel on `port` (tests/kv_relay.py)."""
-    proc = subprocess.Popen([sys.executable, RELAY, "127.0.0.1", str(port), record],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        yield int(proc.stdout.readline())
-    finally:
-        proc.kill()
-        proc.wait()
+    return _listening(RELAY, "127.0.0.1", str(port), record)
 
 
 def test_a_relayed_handshake_is_refused_and_the_relay_keeps_no_metadata(server, tmp_path):
