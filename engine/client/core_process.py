@@ -49,7 +49,6 @@ from engine.core.messages import (
 from engine.core.startup import (
     EXIT_STARTUP_STALLED,
     StartupStalled,
-    frontend_start_deadline,
     stage_deadline,
 )
 
@@ -204,8 +203,7 @@ class CoreProcess:
 
     def _deadline(self, stage: str, cap: float | None) -> tuple[str, float, float]:
         """(stage, when it must be over, its seconds)."""
-        seconds = (frontend_start_deadline(self._stage_override) if stage == "engine_core_start"
-                   else stage_deadline(stage, self._stage_override))
+        seconds = stage_deadline(stage, self._stage_override)
         deadline = time.monotonic() + seconds
         return stage, deadline if cap is None else min(deadline, cap), seconds
 
