@@ -35,7 +35,7 @@ from test_server_fuzz import any_body, raw_bodies
 KEY = "hostile-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 HONEST = {"model": "m", "prompt": "an honest prompt", "max_tokens": 3, "ignore_eos": True}
-EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "150"))
 
 
 @pytest.fixture(scope="module")
