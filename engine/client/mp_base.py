@@ -121,8 +121,9 @@ class MPClientBase(EngineCoreClient):
                 self.last_step_age_s = beat[0]
                 return None
             if (reason := decode_dead(head)) is not None:
+                why = f": {reason}" if reason else ""
                 raise EngineDeadError(f"engine core {self.engine_index} (pid {self.core.pid}) "
-                                      f"hit a fatal error: {reason or 'ENGINE_CORE_DEAD'}")
+                                      f"hit a fatal error (ENGINE_CORE_DEAD){why}")
         try:
             return self.decoder.decode(frames)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
