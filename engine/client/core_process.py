@@ -54,6 +54,7 @@ from engine.core.startup import (
 
 logger = logging.getLogger(__name__)
 
+_SLOW_STAGE_S = 20.0  # a slower start-up stage is logged (where the time went)
 DEFAULT_STARTUP_TIMEOUT_S: float | None = None  # None: the start-up stages' deadlines only
 MAIN_GUARD_HINT = ("the engine core runs in a spawned process, which imports your main script "
                    "again: put the code that creates the engine (LLM(...), AsyncLLM(...)) under "
@@ -224,6 +225,13 @@ class CoreProcess:
                 raise StartupStalled(f"engine core {self.engine_index} (pid {self.proc.pid})",
                                      name, seconds)
 
+    def _log_if_slow(self, stage: tuple[str, float, float]) -> None:
+        name, deadline, seconds = stage
+        took = seconds - (deadline - time.monotonic())
+        if took > _SLOW_STAGE_S:
+            logger.warning("engine core %d (pid %d): start-up stage %r took %.1fs (deadline "
+                           "%.0fs)", self.engine_index, self.proc.pid, name, took, seconds)
+
     def _handshake(self, sock: zmq.Socket, timeout_s: float | None) -> HandshakeReady:
         cap = None if timeout_s is None else time.monotonic() + timeout_s
         stage = self._deadline("engine_core_spawn", cap)
@@ -249,8 +257,10 @@ class CoreProcess:
                 continue
             if isinstance(msg, HandshakeHello):
                 sock.send_multipart([self.identity, encode_handshake(init)])
+                self._log_if_slow(stage)
                 stage = self._deadline("engine_core_start", cap)
             elif isinstance(msg, HandshakeReady):
+                self._log_if_slow(stage)
                 return msg
             elif isinstance(msg, HandshakeFailed):
                 raise RuntimeError(f"engine core {self.engine_index} failed to start: "

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 logger = logging.getLogger(__name__)
 
 EXIT_STARTUP_STALLED = 4
+_SLOW_S = 20.0  # a stage slower than this (and a tenth of its deadline) is logged
 STALL_ENV = "PDSERVE_FAULT_STALL_STARTUP"
 
 # stage -> seconds. Frontend: engine_core_spawn (the core process imports torch and says
@@ -89,6 +90,7 @@ class StartupWatch:
         self.override = override
         self._lock = threading.Lock()
         self._current: tuple[str, float, float] | None = None  # stage, deadline s, started
+        self._starts: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="StartupWatch", daemon=True)
         self._thread.start()
@@ -99,12 +101,21 @@ class StartupWatch:
         with self._lock:
             previous = self._current
             self._current = (name, deadline, time.monotonic())
+            self._starts[name] = self._current[2]
         try:
             maybe_stall(name)
             yield
         finally:
             with self._lock:
                 self._current = previous
+            took = time.monotonic() - self._started(name)
+            if took > max(_SLOW_S, deadline / 10):  # where a slow start-up went, in the log
+                logger.warning("%s: start-up stage %r took %.1fs (deadline %.0fs)", self.who,
+                               name, took, deadline)
+
+    def _started(self, name: str) -> float:
+        with self._lock:
+            return self._starts.pop(name)
 
     def close(self) -> None:
         self._stop.set()
