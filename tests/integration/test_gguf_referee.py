@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from bf16_referee import judge, runs_here
 
 from engine import LLM, SamplingParams
 from engine.models.source import resolve_model
@@ -24,14 +25,13 @@ QUESTIONS = [
     "What does a CPU do?", "Name a mammal that can fly.", "Why is the sky blue?",
     "Suggest a name for a pet goldfish.",
 ]
-# bf16 is not one arithmetic: transformers keeps the GGUF weights packed and multiplies in
-# float32 (rounding only activations to bf16); we dequantize the weights into bf16 (the serving
-# dtype: half the memory) and multiply bf16 x bf16. Where transformers' own bf16 logits hold a
-# near-tie, the two may take different branches. Each divergence must sit on a near-tie of
-# the float32 model (measured on the AMD EPYC, 1 thread: 8 of 12 answers part, at tokens
-# 2-42, our pick 0 to 0.206 below the float32 model's best there).
-BF16_TIE_MARGIN = 0.25  # logits: two bf16 steps at |logit| 16..32, where one step is 0.125
-BF16_MIN_IDENTICAL = 3
+# bf16: we dequantize the weights into bf16 (the serving dtype: half the memory) as transformers
+# does with dtype=bfloat16, and both sum in their own orders through 30 layers (the tiny models
+# have 4), so the difference the roundings leave before the final one is larger: two bf16
+# steps, not one (measured on the AMD EPYC, AVX2 and AVX-512: up to 3 steps, 0.375 at logits
+# |16..32|, where one step is 0.125). Skinny rows that drop their last 8 inputs (an AVX2
+# tail bug) put 106 of 526 tokens off the argmax, up to 41 steps.
+GGUF_TIE_ULPS = 4
 
 
 @pytest.fixture(scope="module")
@@ -133,44 +133,30 @@ def test_greedy_equals_transformers_gguf_batched_chunked_prefix_cached(gguf_path
         llm.shutdown()
 
 
-def test_bfloat16_greedy_tracks_transformers_bf16_up_to_near_ties(gguf_path, hf_tokenizer,
-                                                                   chat_prompt_ids):
-    """Where ours and transformers' bf16 part, the float32 model is the judge: at the first
-    differing token our pick must be within BF16_TIE_MARGIN of the float32 model's best
-    (transformers' float32 forward on the common prefix). Both bf16 runs round every matmul
-    output and sum in different orders, so at a near-tie either may go either way. Measured
-    on the AMD EPYC: "Name a mammal that can fly." parts at token 12, where the float32
-    model has four candidates within 0.21 (18.31 ... 18.10) and transformers' bf16
-    arithmetic lifts its pick 0.375 above ours; "Translate 'good morning'..." parts at token
-    0 (an exact tie in transformers' bf16 logits) or 2, depending on the thread count (which
-    decode rows the bf16 skinny_linear kernel computes and which oneDNN does)."""
+@pytest.mark.parametrize("isa", ["best", "avx2"])
+def test_bfloat16_greedy_tracks_transformers_bf16_up_to_near_ties(
+        gguf_path, chat_prompt_ids, isa: str, request: pytest.FixtureRequest, tmp_path):
+    """Each of our bf16 tokens must be transformers' bf16 argmax given the prompt and our
+    tokens before it, or tie with it within GGUF_TIE_ULPS bf16 steps (tests/bf16_referee.py):
+    at a near-tie either side may go either way, so whole answers may part ("Translate 'good
+    morning'..." at token 0 on an exact tie, or 2, depending on the thread count and the ISA
+    path). On each ISA path this CPU has down to avx2, the one AVX2-only machines run."""
+    if not runs_here(isa, request, tmp_path):
+        return
     from transformers import AutoModelForCausalLM
 
-    ref, ref_logits = hf_greedy(gguf_path, torch.bfloat16, chat_prompt_ids,
-                                hf_tokenizer.pad_token_id, hf_tokenizer.eos_token_id)
+    from engine.worker.kernels import compiled
+
     llm = _engine(gguf_path, "bfloat16")
     try:
         ours = ours_greedy(llm, chat_prompt_ids)
+        stats = llm.get_stats()
+        assert stats["num_free_blocks"] == stats["num_kv_blocks"], stats
     finally:
         llm.shutdown()
-    fp32 = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path),
-                                                gguf_file=os.path.basename(gguf_path),
-                                                dtype=torch.float32).eval()
-    identical, report = 0, []
-    for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
-        if a == b:
-            identical += 1
-            continue
-        k = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
-                 min(len(a), len(b)))
-        assert k < min(len(a), len(b)), f"prompt {i}: one stops where the other goes on"
-        with torch.inference_mode():
-            true = fp32(torch.tensor([chat_prompt_ids[i] + b[:k]])).logits[0, -1].float()
-        gap = float(true.max() - true[a[k]])
-        report.append((i, k, round(float(ref_logits[i][k][b[k]] - ref_logits[i][k][a[k]]), 3),
-                       round(gap, 3)))
-        assert gap <= BF16_TIE_MARGIN, (
-            f"prompt {i} token {k}: ours {a[k]} is {gap:.3f} below the float32 model's best")
-    print(f"bf16: {identical}/{len(ours)} identical; divergences (prompt, token, gap in "
-          f"transformers' bf16 logits, gap in the float32 model's): {report}")
-    assert identical >= BF16_MIN_IDENTICAL, report
+    assert sum(map(len, ours)) >= 6 * NEW_TOKENS  # real answers, not early stops
+    ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path),
+                                               gguf_file=os.path.basename(gguf_path),
+                                               dtype=torch.bfloat16).eval()
+    print(judge(ref, chat_prompt_ids, ours, f"SmolLM2 GGUF on {compiled().get_isa()}",
+                tie_ulps=GGUF_TIE_ULPS))

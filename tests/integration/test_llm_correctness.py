@@ -7,8 +7,10 @@ import random
 
 import pytest
 import torch
+from bf16_referee import REFEREE_PATHS, judge, runs_here
 
 from engine import LLM, SamplingParams
+from engine.worker.kernels import compiled
 
 MAX_TOKENS = 32
 LENGTHS = [1, 2, 3, 5, 8, 15, 16, 17, 31, 33, 64, 100, 127, 160, 211, 256, 300]
@@ -160,43 +162,22 @@ def shared_llm(tiny_model: str):
     llm.shutdown()
 
 
-BF16_TIE_MARGIN = 0.25  # a few bf16 steps (1/16 at |logit| 8..16)
-BF16_MIN_EQUAL_PREFIX = 4
-
-
-def _hf_bf16_greedy(model_dir: str, prompts: list[list[int]], eos: int
-                    ) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
-    """transformers' greedy generate in bfloat16, one prompt at a time; tokens (up to and
-    including EOS) and logits."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    tokens, logits = [], []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=MAX_TOKENS, eos_token_id=eos,
-                                 output_logits=True, return_dict_in_generate=True)
-            seq = gen.sequences[0, len(p):].tolist()
-            tokens.append(seq[:seq.index(eos) + 1] if eos in seq else seq)
-            logits.append([step[0].float() for step in gen.logits])
-    return tokens, logits
-
-
+@pytest.mark.parametrize("isa", REFEREE_PATHS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_bfloat16_greedy_matches_transformers_bf16_up_to_near_ties(
-    tiny_models: dict[str, str], arch: str
+    tiny_models: dict[str, str], arch: str, isa: str, request: pytest.FixtureRequest,
+    tmp_path
 ) -> None:
     """bf16 weights, bf16 KV, fp32 accumulation (our skinny kernel for decode rows, oneDNN
-    for prefill) against transformers in bf16. Both round every matmul output to bf16 but
-    sum in different orders, so a token may differ where two candidates are within bf16
-    rounding of each other: at the first differing token, ours must be within
-    BF16_TIE_MARGIN of transformers' choice in transformers' own logits (after that the two
-    continue from different contexts and are not compared). The tiny models' logits sit at
-    |8..16|, where bf16's step is 1/16, so exact ties in transformers' bf16 logits are
-    common (measured: 2, 6 and 8 of 9 prompts identical over 32 tokens for llama, qwen2 and
-    qwen3, the others parting at token 8..29 with gaps of 0, 1/16 or 1/8)."""
+    for prefill) against transformers in bf16, on each ISA path this CPU has (a lower path in
+    a child process: tests/bf16_referee.py). Each of our tokens must be transformers' argmax
+    given the prompt and our tokens before it, or tie with it within bf16 rounding
+    (BF16_TIE_ULPS); ties go either way by summation order, so the answers themselves may
+    part (on an AVX2-only EPYC at token 0 or 1 on exact ties)."""
+    if not runs_here(isa, request, tmp_path):
+        return
+    from transformers import AutoModelForCausalLM
+
     model = tiny_models[arch]
     llm = LLM(model, dtype="bfloat16", num_kv_blocks=512, multiprocess=False)
     tok = llm.get_tokenizer()
@@ -206,18 +187,6 @@ def test_bfloat16_greedy_matches_transformers_bf16_up_to_near_ties(
     ours = [list(o.outputs[0].token_ids) for o in outs]
     _assert_no_leak(llm)
     llm.shutdown()
-    ref, ref_logits = _hf_bf16_greedy(model, prompts, tok.eos_token_id)
-    identical, report = 0, []
-    for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
-        if a == b:
-            identical += 1
-            continue
-        k = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
-                 min(len(a), len(b)))
-        assert k < min(len(a), len(b)), f"prompt {i}: one stops where the other goes on"
-        gap = float(ref_logits[i][k][b[k]] - ref_logits[i][k][a[k]])
-        report.append((i, k, round(gap, 3)))
-        assert k >= BF16_MIN_EQUAL_PREFIX, f"prompt {i} diverges at token {k}: {report}"
-        assert 0 <= gap <= BF16_TIE_MARGIN, f"prompt {i} token {k}: ours {a[k]} is {gap:.3f} " \
-                                            f"below transformers' {b[k]}"
-    print(f"{arch} bf16: {identical}/{len(ours)} identical; (prompt, token, gap): {report}")
+    assert sum(map(len, ours)) >= len(ours) * MAX_TOKENS // 2  # real answers, not early EOS
+    ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
+    print(judge(ref, prompts, ours, f"{arch} on {compiled().get_isa()}"))
