@@ -42,102 +42,37 @@ Guarantees:
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvconnector import wire
 from kvconnector.outbox import Outbox
 from kvconnector.peers import Peers
 from kvconnector.push.meta import FinishedBlocks, heartbeat_id
+from kvconnector.push.staged import (
+    Inflight,
+    PendingReg,
+    RegKey,
+    SenderStats,
+    SendState,
+    Staged,
+    digest_ok,
+    match_rank,
+    reg_key,
+    tomb_key,
+)
 from kvconnector.tp_layout import peer_ranks
+
+__all__ = ["Sender", "SenderStats", "SendState"]
 
 logger = logging.getLogger(__name__)
 
 MAX_REGS_PER_AGENT = 4096
 MAX_REGS = 16384
 MAX_OUTBOX = 4096
-
-
-RegKey = tuple[str, int]  # (D request id, D's TP rank): one registration per D rank
-
-
-def reg_key(reg: Any) -> RegKey:
-    return (reg.request_id, reg.decode_tp_rank)
-
-
-class SendState(enum.Enum):
-    """Where one P request's staged blocks stand (docs/design.md §6 draws the machine)."""
-
-    STAGED = "staged"  # under lease, no registration matched yet (or the next D rank's)
-    MATCHED = "matched"  # paired with registrations `matched`; their WRITEs wait for D's peer
-    WRITING = "writing"  # a WRITE is posted (`writes`), not over yet (more may be matched)
-
-
-@dataclass
-class PendingReg:
-    reg: Any  # wire.PushReg
-    received_at: float
-    agent: str | None = None  # the NIXL agent it came from (None: not checked)
-    # P's clock by which a P request must carry its transfer (None: one does, or no check)
-    claim_by: float | None = None
-
-    @property
-    def addr(self) -> tuple[str, int]:
-        return (self.reg.decode_host, self.reg.decode_port)
-
-
-@dataclass
-class Inflight:
-    p_request_id: str
-    reg: PendingReg
-    handle: Any
-    started: float
-    nbytes: int
-    ack_cancel: bool = False
-
-
-@dataclass
-class Staged:
-    """One P request whose blocks are under lease; it ends (`done`) when they may be freed."""
-
-    blocks: FinishedBlocks
-    lease_deadline: float
-    state: SendState = SendState.STAGED
-    matched: list[RegKey] = field(default_factory=list)  # paired, WRITE not posted yet
-    match_seq: int = 0  # WRITEs are posted in match order
-    writes: dict[int, Inflight] = field(default_factory=dict)  # D rank -> its WRITE in flight
-    expected: int = 1  # D ranks to write (those holding this rank's heads), set at a match
-    written: set[int] = field(default_factory=set)  # D ranks whose WRITE is DONE
-    failed: bool = False  # given up while a WRITE was in flight: freed once it is over
-
-    def busy_ranks(self) -> set[int]:
-        """D ranks written, being written or matched."""
-        return self.written | self.writes.keys() | {k[1] for k in self.matched}
-
-    def takes(self, d_rank: int) -> bool:
-        """Whether a registration of D rank `d_rank` may still pair with these blocks."""
-        busy = self.busy_ranks()
-        return not self.failed and d_rank not in busy and len(busy) < self.expected
-
-
-@dataclass
-class SenderStats:
-    counters: dict[str, float] = field(default_factory=lambda: {
-        "kv_push_registrations_received_total": 0, "kv_push_writes_total": 0,
-        "kv_push_write_failures_total": 0, "kv_transfer_bytes_total": 0,
-        "kv_transfer_seconds_sum": 0.0, "kv_transfer_seconds_count": 0,
-        "kv_lease_expired_total": 0, "kv_push_fail_sent_total": 0,
-        "kv_push_registrations_refused_total": 0, "kv_notifs_dropped_total": 0,
-        "kv_push_digest_mismatch_total": 0, "kv_push_unknown_transfer_total": 0,
-    })
-
-    def add(self, name: str, value: float = 1) -> None:
-        self.counters[name] += value
 
 
 class Sender:
@@ -156,7 +91,7 @@ class Sender:
         self.num_blocks = num_blocks  # P's cache: no registration can name more
         self.stats = stats
         self.unknown_timeout = unknown_timeout  # None: a registration waits for its ttl
-        # P requests in P's scheduler not finished yet, by _tomb_key (the transfer they carry)
+        # P requests in P's scheduler not finished yet, by tomb_key (the transfer they carry)
         self.prefilling: Counter[str] = Counter()
         # The P requests, each in one SendState; `ready` and `inflight` are views of it.
         self.staged: dict[str, Staged] = {}  # P request id -> blocks under lease
@@ -165,7 +100,7 @@ class Sender:
         # D's registrations P holds, by D request id, until a WRITE takes one (or it fails):
         # the other side of a match, which may arrive first.
         self.regs: dict[RegKey, PendingReg] = {}
-        # Transfers P gave up on (by _tomb_key; they outlive the request) -> expiry.
+        # Transfers P gave up on (by tomb_key; they outlive the request) -> expiry.
         self.tombstones: dict[str, float] = {}
         self.outbox = Outbox(transport, peers, MAX_OUTBOX,  # notifs waiting for D's peer
                              lambda n: self.stats.add("kv_notifs_dropped_total", n))
@@ -207,10 +142,10 @@ class Sender:
     def on_arrived(self, request_id: str, transfer_id: str | None) -> None:
         """A P request entered P's scheduler: registrations for its transfer are not strays.
         It ends in `on_finished_blocks` or `on_aborted`."""
-        self.prefilling[_tomb_key(transfer_id, request_id)] += 1
+        self.prefilling[tomb_key(transfer_id, request_id)] += 1
 
     def _ended(self, request_id: str, transfer_id: str | None) -> None:
-        key = _tomb_key(transfer_id, request_id)
+        key = tomb_key(transfer_id, request_id)
         if self.prefilling[key] > 1:
             self.prefilling[key] -= 1
         else:
@@ -221,7 +156,7 @@ class Sender:
         old = self.staged.pop(fb.request_id, None)
         if old is not None:
             self._count[old.state] -= 1
-        if _tomb_key(fb.transfer_id, fb.request_id) in self.tombstones:
+        if tomb_key(fb.transfer_id, fb.request_id) in self.tombstones:
             self._drop_given_up(fb)
             return
         self.staged[fb.request_id] = Staged(fb, self.clock() + self.lease)
@@ -229,7 +164,7 @@ class Sender:
         candidates = self._regs_for(fb)
         staged = self.staged[fb.request_id]
         for rid in candidates:  # every D rank's registration: their WRITEs go at once
-            if _digest_ok(fb, self.regs[rid].reg) and staged.takes(rid[1]):
+            if digest_ok(fb, self.regs[rid].reg) and staged.takes(rid[1]):
                 self._match(fb.request_id, rid)
         if staged.matched:
             return
@@ -282,7 +217,7 @@ class Sender:
             return
         if peer.status == "ready" and not self._owner(pending, peer.agent_name, "PUSH_REG"):
             return
-        if _tomb_key(reg.transfer_id, reg.request_id) in self.tombstones:
+        if tomb_key(reg.transfer_id, reg.request_id) in self.tombstones:
             self._fail(pending, "prefill request already ended on P (aborted or expired)")
             return
         self.regs[key] = pending
@@ -291,7 +226,7 @@ class Sender:
             # that wakes up gives its own requests (queued behind the freeze) the full time
         candidates = self._staged_for(reg)
         for pid in candidates:
-            if _digest_ok(self.staged[pid].blocks, reg):
+            if digest_ok(self.staged[pid].blocks, reg):
                 self._match(pid, key)
                 return
         if candidates:
@@ -340,11 +275,11 @@ class Sender:
                 self._sync(p_id)
         if pending is not None:  # a D rank P writes among others gave up: the rest is moot
             for p_id, staged in list(self.staged.items()):
-                if staged.expected > 1 and key[1] not in staged.written and _rank(
+                if staged.expected > 1 and key[1] not in staged.written and match_rank(
                         staged.blocks, pending.reg) is not None:
                     self._give_up(p_id)
         self._tombstone(transfer_id, d_request_id)
-        self._drop_cancelled(_tomb_key(transfer_id, d_request_id))
+        self._drop_cancelled(tomb_key(transfer_id, d_request_id))
         ack = wire.encode_push_cancel_ack(d_request_id, transfer_id)
         if pending is not None:
             self._send(pending.addr, ack, pending.agent)
@@ -363,7 +298,7 @@ class Sender:
         lease expiry. Blocks paired with another agent's registration are that agent's
         business (the cancel does not end its WRITE)."""
         for p_id, staged in list(self.staged.items()):
-            if _tomb_key(staged.blocks.transfer_id, p_id) == tomb and not staged.busy_ranks():
+            if tomb_key(staged.blocks.transfer_id, p_id) == tomb and not staged.busy_ranks():
                 logger.info("transfer of %s cancelled by D before any registration took its "
                             "blocks: freeing them", p_id)
                 self._release(p_id, failed=True)
@@ -434,14 +369,14 @@ class Sender:
         taken = {k for s in self.staged.values() for k in s.matched}
         ranked = [(r, key) for key, p in self.regs.items()
                   if key not in taken and key[1] not in (busy or ())
-                  and (r := _rank(fb, p.reg)) is not None]
+                  and (r := match_rank(fb, p.reg)) is not None]
         return [key for _, key in sorted(ranked, key=lambda x: x[0])]
 
     def _staged_for(self, reg: Any) -> list[str]:
         """Staged P requests naming reg's transfer, best first, that still take reg's D rank
         (not written, writing or matched; another D rank's WRITE may be in flight)."""
         ranked = [(r, pid) for pid, s in self.staged.items()
-                  if s.takes(reg.decode_tp_rank) and (r := _rank(s.blocks, reg)) is not None]
+                  if s.takes(reg.decode_tp_rank) and (r := match_rank(s.blocks, reg)) is not None]
         return [pid for _, pid in sorted(ranked, key=lambda x: x[0])]
 
     def _digest_mismatch(self, p_id: str, d_id: RegKey) -> None:
@@ -491,7 +426,7 @@ class Sender:
             if not self._owner(pending, peer.agent_name, "WRITE to the address's agent"):
                 # The agent D's address serves is not the one that registered: never write.
                 other = next((r for r in self._regs_for(staged.blocks, staged.busy_ranks())
-                              if _digest_ok(staged.blocks, self.regs[r].reg)), None)
+                              if digest_ok(staged.blocks, self.regs[r].reg)), None)
                 if other is not None:
                     self._match(p_id, other)
             elif peer.status == "failed":
@@ -568,13 +503,13 @@ class Sender:
         staged = self._sync(p_id)
         if staged.writes:
             return
-        if staged.failed or _tomb_key(staged.blocks.transfer_id, p_id) in self.tombstones:
+        if staged.failed or tomb_key(staged.blocks.transfer_id, p_id) in self.tombstones:
             self._release(p_id, failed=True)  # a WRITE failed, or D cancelled
         elif len(staged.written) >= staged.expected:
             self._release(p_id, failed=False)
         elif not staged.matched:
             for key in self._regs_for(staged.blocks, staged.busy_ranks()):
-                if _digest_ok(staged.blocks, self.regs[key].reg):
+                if digest_ok(staged.blocks, self.regs[key].reg):
                     self._match(p_id, key)
                     return
 
@@ -609,9 +544,9 @@ class Sender:
     def _carried(self, reg: Any) -> bool:
         """Whether a P request of this engine carries reg's transfer: arrived in P's
         scheduler (prefilling) or staged."""
-        key = _tomb_key(reg.transfer_id, reg.request_id)
+        key = tomb_key(reg.transfer_id, reg.request_id)
         return key in self.prefilling or any(
-            _tomb_key(s.blocks.transfer_id, p_id) == key for p_id, s in self.staged.items())
+            tomb_key(s.blocks.transfer_id, p_id) == key for p_id, s in self.staged.items())
 
     def _check_claimed(self, key: RegKey, pending: PendingReg) -> None:
         """`unknown_timeout` after it arrived, a registration no P request carries is a stray
@@ -645,7 +580,7 @@ class Sender:
                                                "WRITE to another D rank failed)")
 
     def _tombstone(self, transfer_id: str | None, request_id: str) -> None:
-        self.tombstones[_tomb_key(transfer_id, request_id)] = self.clock() + self.ttl
+        self.tombstones[tomb_key(transfer_id, request_id)] = self.clock() + self.ttl
 
     def _fail(self, pending: PendingReg, reason: str) -> None:
         self.stats.add("kv_push_fail_sent_total")
@@ -666,27 +601,3 @@ class Sender:
                 "p_prefilling": sum(self.prefilling.values()),
                 "p_inflight": len(self.inflight), "p_ready": len(self.ready),
                 "p_outbox": len(self.outbox)}
-
-
-def _rank(fb: FinishedBlocks, reg: Any) -> int | None:
-    """Whether P request `fb` and registration `reg` name the same transfer: 0 by transfer id,
-    1 by exact request id, 2 by base request id (lower is better); None if they do not. A
-    transfer id on either side admits only an equal transfer id."""
-    if fb.transfer_id or reg.transfer_id:
-        return 0 if fb.transfer_id == reg.transfer_id else None
-    if fb.request_id == reg.request_id:
-        return 1
-    if wire.base_request_id(fb.request_id) == wire.base_request_id(reg.request_id):
-        return 2
-    return None
-
-
-def _digest_ok(fb: FinishedBlocks, reg: Any) -> bool:
-    """Registration and P's prompt are the same tokens (an empty digest matches nothing)."""
-    return bool(fb.prompt_digest) and fb.prompt_digest == reg.prompt_digest
-
-
-def _tomb_key(transfer_id: str | None, request_id: str) -> str:
-    """Tombstones of the two match kinds live apart: a request id never refuses a transfer
-    that has a transfer id, nor the reverse."""
-    return f"t:{transfer_id}" if transfer_id else f"r:{wire.base_request_id(request_id)}"
