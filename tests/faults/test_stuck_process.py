@@ -24,7 +24,7 @@ from pd_harness import TEST_ENV, role_args, start_proxy, wait_until
 
 from engine.server.launcher import ServerProcess, free_port, launch_server
 
-HB = 3.0  # --heartbeat-timeout of these engines
+HB = 5.0  # --heartbeat-timeout of these engines (short: the test waits for it)
 BOUND = HB + 12.0  # detection + the kill + a busy 2-core machine
 ENGINE = ("--heartbeat-timeout", str(HB), "--served-model-name", "m", "--max-model-len", "512",
           "--log-level", "warning")

@@ -84,3 +84,25 @@ def test_a_stage_past_its_deadline_ends_the_process_naming_it() -> None:
     assert "start-up stage 'kv_connector' stalled past its deadline of 1s" in proc.stderr, \
         proc.stderr
     assert time.monotonic() - started < 30
+
+
+def test_core_heartbeat_beats_and_calls_a_step_past_its_deadline_stuck() -> None:
+    import queue
+    import threading
+    from types import SimpleNamespace
+
+    from engine.core.liveness import CoreHeartbeat
+
+    loop = SimpleNamespace(engine_index=0, num_steps=3, step_started=None,
+                           output_queue=queue.SimpleQueue())
+    stuck: list[str] = []
+    done = threading.Event()
+    beat = CoreHeartbeat(loop, 0, timeout_s=0.6, stuck_after_s=5.0,
+                         on_stuck=lambda why: (stuck.append(why), done.set()),
+                         stop=threading.Event())
+    beat.start()
+    age, steps = decode_heartbeat(loop.output_queue.get(timeout=5))
+    assert (age, steps) == (0.0, 3) and not stuck  # idle: alive, no step
+    loop.step_started = time.monotonic() - 10  # a step that has run 10 s > 5 s
+    assert done.wait(5)
+    assert "a step has run for 1" in stuck[0] and "stuck" in stuck[0]
