@@ -54,6 +54,33 @@ async def final(llm: AsyncLLM, prompt, params: SamplingParams, rid: str):
     return last
 
 
+class HeldOutputs:
+    """Holds the core's outputs on their way into AsyncLLM: once a batch carrying an output of
+    a request whose id starts with `prefix` went through, the output handler waits for
+    `release()`. A test then acts on that request's first outputs (cancel, abort, close)
+    while the frontend has seen no more of it, however fast the core decodes: without the
+    hold a starved test process could find a 200-token request already finished. The core runs
+    on; what it makes meanwhile waits in the client's queue."""
+
+    def __init__(self, llm: AsyncLLM, prefix: str) -> None:
+        self.client, self.prefix = llm.client, prefix
+        self.real = llm.client.get_output_async
+        self.open = asyncio.Event()
+        self.open.set()
+        self.client.get_output_async = self.get  # the handler's next fetch comes here
+
+    async def get(self):
+        await self.open.wait()
+        out = await self.real()
+        if any(o.request_id.startswith(self.prefix) for o in out.outputs):
+            self.open.clear()
+        return out
+
+    def release(self) -> None:
+        self.open.set()
+        self.client.get_output_async = self.real
+
+
 async def wait_idle(llm: AsyncLLM, timeout: float = 10.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
@@ -103,17 +130,20 @@ def test_cancelled_consumer_aborts_the_request_in_the_core(llm, loop):
     long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
     async def run():
-        got = asyncio.Event()
+        got, held = asyncio.Event(), HeldOutputs(llm, "cancelled")
 
         async def consume():
             async for _ in llm.generate("cancel me please", long, "cancelled"):
                 got.set()
 
-        task = asyncio.create_task(consume())
-        await asyncio.wait_for(got.wait(), 30)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        try:
+            task = asyncio.create_task(consume())
+            await asyncio.wait_for(got.wait(), 30)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            held.release()
         return await wait_idle(llm)
 
     stats = loop.run_until_complete(run())
@@ -126,10 +156,14 @@ def test_closing_the_stream_early_aborts_every_child_of_n2(llm, loop):
                             output_kind=RequestOutputKind.DELTA)
 
     async def run():
-        gen = llm.generate([1, 2, 3, 4], params, "closed")
-        first = await gen.__anext__()
-        assert not first.finished
-        await gen.aclose()
+        held = HeldOutputs(llm, "closed")
+        try:
+            gen = llm.generate([1, 2, 3, 4], params, "closed")
+            first = await gen.__anext__()
+            assert not first.finished
+            await gen.aclose()
+        finally:
+            held.release()
         return await wait_idle(llm)
 
     loop.run_until_complete(run())
@@ -157,11 +191,14 @@ def test_abort_by_request_id_ends_the_stream(llm, loop):
     long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
     async def run():
-        outs = []
-        async for out in llm.generate([3, 3, 3], long, "aborted"):
-            outs.append(out)
-            if len(outs) == 1:
-                await llm.abort("aborted")
+        outs, held = [], HeldOutputs(llm, "aborted")
+        try:
+            async for out in llm.generate([3, 3, 3], long, "aborted"):
+                outs.append(out)
+                if len(outs) == 1:
+                    await llm.abort("aborted")
+        finally:
+            held.release()
         return outs
 
     outs = loop.run_until_complete(run())
@@ -188,7 +225,7 @@ def test_engine_death_fails_every_generate_and_later_calls(config):
         pid = llm.client.core.pid
         try:
             long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-            started = asyncio.Event()
+            started, held = asyncio.Event(), HeldOutputs(llm, "d")
 
             async def consume(rid):
                 async for _ in llm.generate([1, 2, 3], long, rid):
@@ -198,6 +235,7 @@ def test_engine_death_fails_every_generate_and_later_calls(config):
             await asyncio.wait_for(started.wait(), 30)
             t0 = time.monotonic()
             os.kill(pid, signal.SIGKILL)
+            held.release()
             results = await asyncio.wait_for(
                 asyncio.gather(*tasks, return_exceptions=True), 5)
             assert time.monotonic() - t0 < 2.0
@@ -253,15 +291,20 @@ def test_requests_sharing_a_caller_id_each_finish_and_abort_only_themselves(llm,
         short_b = final(llm, [9, 8, 7, 6], GREEDY, "same")
         a, b = await asyncio.gather(short_a, short_b)
         outs: dict[str, list] = {"victim": [], "survivor": []}
+        held = HeldOutputs(llm, "same-0000000a")
 
         async def consume(name: str, internal: str) -> None:
             async for out in llm.generate([3, 3, 3], long, "same", internal_request_id=internal):
                 outs[name].append(out)
                 if name == "victim" and len(outs[name]) == 1:
                     llm.abort("same-0000000a")
+                    held.release()
 
-        await asyncio.gather(consume("victim", "same-0000000a"),
-                             consume("survivor", "same-0000000b"))
+        try:
+            await asyncio.gather(consume("victim", "same-0000000a"),
+                                 consume("survivor", "same-0000000b"))
+        finally:
+            held.release()
         return a, b, outs
 
     a, b, outs = loop.run_until_complete(run())

@@ -427,32 +427,56 @@ def _settled(server: ServerProcess) -> float:
     raise AssertionError("generation never stopped")
 
 
+def _holds_connection(server: ServerProcess, client_port: int) -> bool:
+    """Whether the server process still has its end of the client's TCP connection open."""
+    return any(c.raddr and c.raddr.port == client_port
+               for c in psutil.Process(server.pid).net_connections(kind="tcp"))
+
+
 def test_client_disconnect_aborts_the_request(server, client):
     """A client that goes away mid-generation, streaming or not, stops its request: the
-    engine generates far fewer than max_tokens for it and frees its blocks. No timing bet:
-    the non-streaming client hangs up once the metrics show its request generating."""
+    engine generates far fewer than max_tokens for it and frees its blocks. No bet on the
+    CPU's speed: the test holds the engine (SIGSTOP) from before the client leaves until the
+    server has closed its end of the connection (the abort is on its way to the core), so
+    the engine cannot decode ahead of the abort; the non-streaming client hangs up once the
+    metrics show its request generating."""
     max_tokens = MAX_MODEL_LEN - 16
     body = {"model": MODEL, "prompt": "a very long story", "max_tokens": max_tokens,
             "stream": True, "ignore_eos": True}
+    engine = server.descendants()
     start = _generated(server)
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH,
-                      timeout=60) as r:
-        events = 0
-        for line in r.iter_lines():
-            events += line.startswith("data: ")
-            if events >= 2:
-                break
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH,
+                          timeout=60) as r:
+            port = r.extensions["network_stream"].get_extra_info("socket").getsockname()[1]
+            events = 0
+            for line in r.iter_lines():
+                events += line.startswith("data: ")
+                if events >= 2:
+                    break
+            _signal_all(engine, signal.SIGSTOP)
+        wait_until(lambda: not _holds_connection(server, port), 30,
+                   "the server to close the stream")
+    finally:
+        _signal_all(engine, signal.SIGCONT)
     after_stream = _settled(server)
     assert 2 <= after_stream - start < max_tokens / 2
     payload = json.dumps({**body, "stream": False}).encode()
     host, port = server.url.removeprefix("http://").rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
-                     f"Authorization: {AUTH['Authorization']}\r\n"
-                     f"Content-Type: application/json\r\nContent-Length: {len(payload)}"
-                     "\r\n\r\n".encode() + payload)
-        wait_until(lambda: _generated(server) > after_stream, 60,
-                   "the non-streaming request to start")
+    try:
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+                         f"Authorization: {AUTH['Authorization']}\r\n"
+                         f"Content-Type: application/json\r\nContent-Length: {len(payload)}"
+                         "\r\n\r\n".encode() + payload)
+            wait_until(lambda: _generated(server) > after_stream, 60,
+                       "the non-streaming request to start")
+            _signal_all(engine, signal.SIGSTOP)
+            client_port = sock.getsockname()[1]
+        wait_until(lambda: not _holds_connection(server, client_port), 30,
+                   "the server to drop the non-streaming request")
+    finally:
+        _signal_all(engine, signal.SIGCONT)
     assert _settled(server) - after_stream < max_tokens / 2
     # The next request's outputs carry a fresh scheduler snapshot: only it may be running.
     client.completions.create(model=MODEL, prompt="x", max_tokens=2)
