@@ -7,10 +7,10 @@ hang-ups and one SIGSTOP/SIGCONT of P (issue 26's acceptance; not part of the su
 - honest: `--honest` clients send greedy completions (half of them streamed) of prompts
   from a fixed pool whose answers were computed on D alone first; each answer must equal
   its reference, every one must arrive (a lost or wrong honest request fails the soak);
-- hostile: one client sends the hostile corpus of tests/hostile_bodies.py to the proxy, P and D
-  in turn, plus D legs a client could send straight to D (a random transfer id no P leg
-  carries, a relay-like side channel, a port nobody listens on, a pull-shaped leg): every
-  answer must be a 4xx or a 200, never a 5xx or a dropped connection;
+- hostile: one client sends the hostile corpus of tests/hostile_corpus.py (every route,
+  every field) to the proxy, P and D in turn, plus D legs a client could send straight to D
+  (a random transfer id no P leg carries, a port nobody listens on, a pull-shaped leg):
+  every answer must be a 4xx or a 200, never a 5xx or a dropped connection;
 - hang-ups: one client opens streams through the proxy and closes them after the first
   chunk or at once;
 - at `--stop-at` of the run P's processes get SIGSTOP, and SIGCONT `--stop-for` s later.
@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "faults"))
 
 from fault_kit import processes, stream_sse  # noqa: E402
+from hostile_corpus import corpus  # noqa: E402
 from pd_harness import assert_no_leaks, deployment  # noqa: E402
 
 SECRET = "soak-kv-secret-0123456789abcdef"
@@ -52,30 +53,21 @@ def _body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
     return {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
 
 
-def _hostile_corpus(prompt: list[int], info: dict[str, Any]) -> list[dict[str, Any] | str]:
-    """Bodies no honest client sends. A str is sent as raw bytes (invalid JSON / Unicode)."""
+def _hostile_corpus(prompt: list[int], info: dict[str, Any]) -> list[tuple[str, bytes]]:
+    """(route, raw body) pairs no honest client sends."""
     kv = {"do_remote_prefill": True, "remote_engine_id": info["engine_id"],
           "remote_host": info["kv_host"], "remote_port": info["kv_port"],
           "tp_size": info["tp_size"]}
-    try:
-        from hostile_bodies import completion_bodies
-        corpus: list[dict[str, Any] | str] = list(completion_bodies())
-    except ImportError:  # the fuzz corpus of the suite, when present
-        corpus = []
-    corpus += [
-        '{"model": "m", "prompt": "\\ud800", "max_tokens": 4}',
-        "[" * 100000 + "]" * 100000,
-        {"model": "m", "prompt": [True, False], "max_tokens": 4},
-        {"model": "m", "prompt": "x", "max_tokens": 10 ** 30},
-        {"model": "m", "prompt": "x", "max_tokens": "8"},
-        # D legs a client might send straight to D.
-        {**_body(prompt, 4), "kv_transfer_params": {**kv, "transfer_id": f"pin-{random.random()}"}},
+    legs = [
+        {**_body(prompt, 4), "kv_transfer_params": {**kv, "transfer_id": f"pin-{i}"}}
+        for i in range(4)] + [
         {**_body(prompt, 4), "kv_transfer_params": {**kv, "remote_port": 1}},
         {**_body(prompt, 4), "kv_transfer_params": {
             **kv, "remote_request_id": "x", "remote_block_ids": [0, 1],
             "num_prompt_tokens": len(prompt)}},
     ]
-    return corpus
+    return ([(case.path, case.body) for case in corpus()]
+            + [("/v1/completions", json.dumps(leg).encode()) for leg in legs])
 
 
 async def _honest(client: httpx.AsyncClient, url: str, pool: list[list[int]],
@@ -106,19 +98,15 @@ async def _honest(client: httpx.AsyncClient, url: str, pool: list[list[int]],
             stats["ok"] += 1
 
 
-async def _hostile(client: httpx.AsyncClient, targets: list[str], corpus: list[Any],
-                   stop: float, stats: Counter) -> None:
+async def _hostile(client: httpx.AsyncClient, targets: list[str],
+                   cases: list[tuple[str, bytes]], stop: float, stats: Counter) -> None:
     n = 0
     while time.monotonic() < stop:
-        body, url = corpus[n % len(corpus)], targets[n // len(corpus) % len(targets)]
+        (path, body), url = cases[n % len(cases)], targets[n // len(cases) % len(targets)]
         n += 1
         try:
-            if isinstance(body, str):
-                r = await client.post(f"{url}/v1/completions", content=body.encode(
-                    "utf-8", "surrogatepass"), headers={"content-type": "application/json"},
-                    timeout=120)
-            else:
-                r = await client.post(f"{url}/v1/completions", json=body, timeout=120)
+            r = await client.post(f"{url}{path}", content=body, timeout=120,
+                                  headers={"content-type": "application/json"})
             stats[f"hostile {r.status_code // 100}xx"] += 1
         except httpx.HTTPError as e:
             stats["hostile dropped"] += 1
@@ -179,6 +167,7 @@ async def _run(dep: Any, args: argparse.Namespace) -> dict[str, Any]:
             "honest_wrong": stats["wrong"],
             "honest_p50_s": round(lat[len(lat) // 2], 3) if lat else None,
             "honest_p99_s": round(lat[int(len(lat) * 0.99)], 3) if lat else None,
+            "honest_max_s": round(lat[-1], 3) if lat else None,
             "sigstop_at_s": log.get("sigstop_at_s"), "sigcont_at_s": log.get("sigcont_at_s"),
             "stopped_for_s": args.stop_for,
             "counts": dict(sorted(stats.items()))}
