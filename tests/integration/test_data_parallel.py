@@ -14,6 +14,7 @@ import signal
 
 import httpx
 import openai
+import psutil
 import pytest
 from pd_harness import wait_until
 from prometheus_client.parser import text_string_to_metric_families
@@ -120,20 +121,28 @@ def test_out_of_range_rank_is_a_400(server):
 
 def test_skewed_load_sends_new_requests_to_the_idle_engine(server):
     """Six long requests pinned to rank 0 (max 2 running: 4 wait there); once the
-    coordinator has published that, four unpinned requests all go to rank 1."""
+    coordinator has published that, four unpinned requests all go to rank 1. Less of a bet
+    on the CPU's speed: each long request decodes 480 tokens, so rank 0 stays at [4, 2] for
+    480 steps (many 0.1 s publications), and once that was published the test holds rank 0
+    (SIGSTOP) until the four are answered, so it cannot drain its queue meanwhile."""
     wait_until(lambda: _idle(server), 60, "idle engines")
     client = _client(server, openai.AsyncOpenAI)
     before = _samples(server, FINISHED)
+    rank0 = psutil.Process(_stats(server)["dp_engine_pids"][0])
 
     async def run() -> None:
         long = [asyncio.create_task(client.completions.create(
-            model=MODEL, prompt=_prompt_ids(200, s), max_tokens=250,
+            model=MODEL, prompt=_prompt_ids(16, 100 + s), max_tokens=480,
             extra_body={"data_parallel_rank": 0, "ignore_eos": True})) for s in range(6)]
         await asyncio.to_thread(wait_until, lambda: _stats(server)["dp_published_counts"][0]
                                 == [4, 2], 60, "rank 0's queue published")
-        short = [client.completions.create(model=MODEL, prompt=_prompt_ids(8, s), max_tokens=2)
-                 for s in range(4)]
-        await asyncio.gather(*short)
+        rank0.suspend()
+        try:
+            short = [client.completions.create(model=MODEL, prompt=_prompt_ids(8, s),
+                                               max_tokens=2) for s in range(4)]
+            await asyncio.gather(*short)
+        finally:
+            rank0.resume()
         after_short = _samples(server, FINISHED)
         assert after_short["1"] - before.get("1", 0) == 4
         await asyncio.gather(*long)
@@ -185,15 +194,33 @@ def test_n_greater_than_one_and_aborts_reach_their_engines(server):
         stream = client.completions.create(
             model=MODEL, prompt=_prompt_ids(50), max_tokens=400, n=2, stream=True,
             extra_body={"ignore_eos": True, **extra})
+        engines = [psutil.Process(pid) for pid in _stats(server)["dp_engine_pids"]]
+        port = stream.response.extensions["network_stream"].get_extra_info(
+            "socket").getsockname()[1]
         for seen, _ in enumerate(stream):
             if seen == 5:
                 break
-        stream.close()
+        # Held from before the close until the server dropped the stream (its aborts are on
+        # their way): the engines cannot decode on while a slow server notices.
+        for e in engines:
+            e.suspend()
+        try:
+            stream.close()
+            wait_until(lambda port=port: not _holds_connection(server, port), 30,
+                       "the server to drop the stream")
+        finally:
+            for e in engines:
+                e.resume()
         wait_until(lambda: _idle(server), 30, f"aborted requests gone from the engines {extra}")
         ran = [b - a for a, b in zip(steps, _steps(server), strict=True)]
         assert max(ran) < 300, ran  # aborted: no engine ran the 400 decode steps
         if extra:
             assert ran[1] > 0 and ran[0] == 0, ran  # pinned: only rank 1 worked
+
+
+def _holds_connection(server: ServerProcess, client_port: int) -> bool:
+    return any(c.raddr and c.raddr.port == client_port
+               for c in psutil.Process(server.pid).net_connections(kind="tcp"))
 
 
 def _steps(server: ServerProcess) -> list[int]:
