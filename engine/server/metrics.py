@@ -48,8 +48,10 @@ TRANSFER_COUNTERS: dict[str, str] = {
                                      "KV secret, stale nonce, address outside the allowlist).",
     "kv_handshake_refused_total": "Handshakes with peers refused either way (secret, allowlist).",
     "kv_refused_notifs_total": "KV notifications refused: not from the transfer's agent.",
-    "kv_refused_peers_total": "Peer agent blobs refused: name already loaded from another "
-                              "address.",
+    "kv_refused_peers_total": "Peer agent blobs refused: name bound to another address that "
+                              "still serves it.",
+    "kv_push_unknown_transfer_total": "Push registrations P refused: no request on P carried "
+                                      "their transfer within push_unknown_transfer_timeout.",
     "kv_pull_reads_total": "KV READs D completed from P (pull mode).",
     "kv_pull_leases_total": "Block leases P granted for pull reads.",
     "kv_pull_leases_returned_total": "Pull leases D returned to P.",
