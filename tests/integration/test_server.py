@@ -47,8 +47,11 @@ def servers(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
         "main": _start(tiny_model, log_dir, "main", "--api-key", API_KEY,
                        "--max-request-body-bytes", str(BODY_LIMIT)),
         "death": _start(tiny_model, log_dir, "death"),
+        # The drain test holds this server's engine (SIGSTOP) for most of the drain: a
+        # heartbeat deadline well past it, so the held core is not taken for a hung one.
         "drain": _start(tiny_model, log_dir, "drain", "--drain-timeout", str(DRAIN_TIMEOUT),
-                        "--max-model-len", "4096"),
+                        "--max-model-len", "4096",
+                        "--heartbeat-timeout", str(10 * DRAIN_TIMEOUT)),
     }
     try:
         for s in started.values():
