@@ -63,7 +63,7 @@ def runs_here(isa: str, request: pytest.FixtureRequest, tmp_path: Path) -> bool:
     """For a test parametrized over REFEREE_PATHS: True where its body runs in this process
     (the best path, or the child on a lower one). Otherwise runs the test in a child pytest on
     that path, asserts it passed, prints its report and returns False; skips a path this CPU
-    lacks or one that is already its best."""
+    lacks or the one this process already runs."""
     from engine.worker import kernels
 
     mod = kernels.compiled()
@@ -74,7 +74,7 @@ def runs_here(isa: str, request: pytest.FixtureRequest, tmp_path: Path) -> bool:
     if isa not in mod.isa_paths():
         pytest.skip(f"this CPU has no {isa} path (its paths: {mod.isa_paths()})")
     if mod.get_isa() == isa:
-        pytest.skip(f"{isa} is this CPU's best path: the [best] case runs it")
+        pytest.skip(f"{isa} is the path this process runs: the [best] case covers it")
     env = {**os.environ, _CHILD: isa, "PDSERVE_ISA": isa, "ONEDNN_MAX_CPU_ISA": _ONEDNN_ISA[isa],
            "ATEN_CPU_CAPABILITY": isa}
     proc = subprocess.run(
