@@ -105,6 +105,7 @@ __all__ = [
 ]
 
 _MAX_REQUEST_BYTES = 4096
+_START_TIMEOUT_S = 30.0
 _LOGGED_REFUSALS = 20
 
 
@@ -147,7 +148,10 @@ class SideChannelServer:
 
     def start(self) -> SideChannelServer:
         self._thread.start()
-        self._ready.wait()
+        if not self._ready.wait(_START_TIMEOUT_S):
+            self._stop.set()
+            raise OSError(f"KV side channel on tcp://{self.host}:{self.port} did not start "
+                          f"within {_START_TIMEOUT_S:.0f} s")
         if self._start_error is not None:
             self._thread.join()
             raise OSError(f"KV side channel cannot bind tcp://{self.host}:{self.port}: "
@@ -165,24 +169,30 @@ class SideChannelServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _run(self) -> None:
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)
-        sock.setsockopt(zmq.IPV6, ":" in self.host)
+    def _bind(self) -> zmq.Socket:
+        sock = zmq.Context.instance().socket(zmq.ROUTER)
         try:
-            endpoint = f"tcp://{zmq_host(self.host)}:{self.port or '*'}"
-            sock.bind(endpoint)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)
+            sock.setsockopt(zmq.IPV6, ":" in self.host)
+            sock.bind(f"tcp://{zmq_host(self.host)}:{self.port or '*'}")
             self.port = int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
-        except zmq.ZMQError as e:
-            self._start_error = e
+            self._own_ips = _bound_ips(self.host)
+        except BaseException:
             sock.close()
-            self._ready.set()
-            return
+            raise
         self._thread.name = f"pdserve-kv-side-channel-{self.port}"
-        self._own_ips = _bound_ips(self.host)
-        self._ready.set()
+        return sock
+
+    def _run(self) -> None:
+        # Whatever fails before the loop, start() hears of it: it never waits on a dead thread.
+        try:
+            sock = self._bind()
+        except Exception as e:  # noqa: BLE001 - re-raised by start()
+            self._start_error = e
+            return
+        finally:
+            self._ready.set()
         logger.info("KV side channel listening on %s (%s)", self.address,
                     "secret required" if self._security.enabled else "NO secret")
         try:

@@ -295,3 +295,14 @@ def test_a_relayed_handshake_is_refused_and_the_relay_keeps_no_metadata(server, 
     assert all(META.agent_blob not in bytes.fromhex(line) for line in open(record))
     assert server.refused_count == 1 and server.served_count == 0
     assert fetch_peer_metadata("127.0.0.1", server.port, "c0ffee", 3.0, security=SECRET) == META
+
+
+@pytest.mark.parametrize("host", ["no-such-host.invalid", None])
+def test_a_side_channel_that_cannot_start_says_so_instead_of_hanging(host):
+    """Start-up (issue 26, finding 9): an error anywhere before the serving loop — a ZeroMQ
+    bind error or any other — reaches start() as an OSError; before, one raised while the
+    socket was being set up killed the thread and start() waited forever."""
+    started = time.monotonic()
+    with pytest.raises(OSError, match="KV side channel"):
+        SideChannelServer(host, 0, lambda: META, SECRET).start()  # type: ignore[arg-type]
+    assert time.monotonic() - started < 10
