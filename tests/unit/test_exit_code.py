@@ -31,9 +31,11 @@ def test_exit_code_of_a_running_child_is_none_at_once():
     proc = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(30,))
     proc.start()
     try:
+        # A running child is not waited for: with a 60 s grace, waiting would take it all; a
+        # starved machine still answers well inside 20 s (no bet on a fast CPU).
         start = time.monotonic()
-        assert exit_code(proc) is None
-        assert time.monotonic() - start < 0.5
+        assert exit_code(proc, grace_s=60.0) is None
+        assert time.monotonic() - start < 20
     finally:
         proc.kill()
         proc.join(10)
