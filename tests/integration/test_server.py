@@ -491,6 +491,13 @@ def test_client_disconnect_aborts_the_request(server, client):
 # ---- lifecycle ---------------------------------------------------------------------------
 
 
+def _clients(server: ServerProcess) -> int:
+    """The server's open client connections."""
+    port = int(server.url.rsplit(":", 1)[1])
+    return sum(c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port
+               for c in psutil.Process(server.pid).net_connections(kind="tcp"))
+
+
 def _engine_core(server: ServerProcess) -> psutil.Process:
     procs = [p for p in psutil.Process(server.pid).children()
              if "spawn_main" in " ".join(p.cmdline())]
@@ -506,12 +513,13 @@ def test_engine_death_fails_open_requests_fast(servers):
         s.start()
     for s in streams:
         assert s.first.wait(120) and s.status == 200 and s.events
+    # Held (SIGSTOP) until it is killed: the streams cannot finish first however fast the
+    # CPU decodes, and the non-streaming request waits at the server for the engine.
+    core = _engine_core(server)
+    core.send_signal(signal.SIGSTOP)
     waiting = Stream(server.url, longest, stream=False)  # a non-streaming one in flight too
     waiting.start()
-    wait_until(lambda: _metric(httpx.get(server.url + "/metrics", headers=AUTH, timeout=5).text,
-                               "pdserve:num_requests_running") >= 4, 30,
-               "the non-streaming request to start")
-    core = _engine_core(server)
+    wait_until(lambda: _clients(server) == 4, 30, "the server to take the non-streaming request")
     core.send_signal(signal.SIGKILL)
     killed = time.monotonic()
     waiting.join(10)
