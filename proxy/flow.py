@@ -107,7 +107,10 @@ class Dispatcher:
     # ---- push: both legs at once --------------------------------------------------------
 
     async def _push(self, ctx: RequestContext) -> Response:
-        p_lease, coords = await self._choose_prefill_with_info(ctx)
+        try:
+            p_lease, coords = await self._choose_prefill_with_info(ctx)
+        except ProxyError as error:
+            return await self._decode_alone(ctx, error)
         coords = pin_prefill_rank(p_lease, coords)
         d_lease = self.decode.choose()
         if d_lease is None:
@@ -147,7 +150,7 @@ class Dispatcher:
     async def _pull(self, ctx: RequestContext) -> Response:
         p_lease = self.prefill.choose()
         if p_lease is None:
-            raise self._no_healthy(ctx, self.prefill)
+            return await self._decode_alone(ctx, self._no_healthy(ctx, self.prefill))
         coords = await self._kv_info(ctx, p_lease, self.kv_info.get_optional(p_lease.url))
         if coords is not None:  # P's answer names the rank's side channel itself
             pin_prefill_rank(p_lease, coords)
@@ -170,6 +173,23 @@ class Dispatcher:
             raise self._no_healthy(ctx, self.decode)
         d_body = decode_leg_body(ctx.body, kv_params)
         opening = self._spawn_decode(ctx, d_lease, d_body)
+        stream = await self._await_decode(ctx, opening, None, d_lease.url)
+        return self._relay(ctx, stream, None)
+
+    async def _decode_alone(self, ctx: RequestContext, no_prefill: ProxyError) -> Response:
+        """No prefill backend can take the request (none healthy: stopped, restarting, all
+        gone): under --p-failure-policy recompute D computes the prompt itself, as it does
+        after a failed P leg, instead of the client getting a 503."""
+        if (no_prefill.code != "no_healthy_prefill"
+                or self.config.p_failure_policy != "recompute"):
+            raise no_prefill
+        d_lease = self.decode.choose()
+        if d_lease is None:
+            raise self._no_healthy(ctx, self.decode)
+        self.metrics.prefill_failures.labels(action="decode_alone").inc()
+        logger.warning("request %s: %s; decode computes the prompt itself "
+                       "(--p-failure-policy recompute)", ctx.request_id, no_prefill.message)
+        opening = self._spawn_decode(ctx, d_lease, decode_leg_body(ctx.body, None))
         stream = await self._await_decode(ctx, opening, None, d_lease.url)
         return self._relay(ctx, stream, None)
 

@@ -519,17 +519,38 @@ def test_connection_error_takes_decode_out_at_once(cluster: Cluster) -> None:
     assert len(d1.legs) == 4
 
 
-def test_no_healthy_backend_is_a_clear_503(cluster: Cluster) -> None:
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_without_a_healthy_prefill_decode_computes_the_prompt_alone(cluster: Cluster,
+                                                                     mode: str) -> None:
+    """A stopped or restarting P (issue 26's soak: 111 honest requests got 503 while P was
+    SIGSTOPped) costs a prefill on D, not the request: under --p-failure-policy recompute
+    the proxy sends D the plain request."""
     p, d = cluster.fake("p"), cluster.fake("d")
-    proxy = cluster.proxy([p], [d])
+    proxy = cluster.proxy([p], [d], mode=mode)
     p.health_status = 503
     wait_until(lambda: not proxy.healthy(p.url), what="p out of rotation")
     health = proxy.client.get(proxy.url + "/health", timeout=5)
     assert health.status_code == 503 and "prefill" in health.json()["error"]["message"]
+    assert post(proxy, BODY).status_code == 200
+    assert not p.legs and len(d.legs) == 1
+    assert "kv_transfer_params" not in d.legs[0].body
+    assert 'pdserve:proxy_prefill_leg_failures_total{action="decode_alone"} 1.0' in (
+        proxy.metrics())
+
+
+def test_no_healthy_backend_is_a_clear_503(cluster: Cluster) -> None:
+    p, d = cluster.fake("p"), cluster.fake("d")
+    proxy = cluster.proxy([p], [d], p_failure_policy="cancel")
+    p.health_status = 503
+    wait_until(lambda: not proxy.healthy(p.url), what="p out of rotation")
     resp = post(proxy, BODY)
     assert resp.status_code == 503
     assert "no healthy prefill backend" in resp.json()["error"]["message"]
     assert not d.legs
+    d.health_status = 503
+    wait_until(lambda: not proxy.healthy(d.url), what="d out of rotation")
+    resp = post(proxy, BODY)
+    assert resp.status_code == 503 and "no healthy" in resp.json()["error"]["message"]
 
 
 def test_unreadable_kv_info_moves_to_another_prefill(cluster: Cluster) -> None:
