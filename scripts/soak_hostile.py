@@ -110,7 +110,8 @@ async def _hostile(client: httpx.AsyncClient, targets: list[str],
             stats[f"hostile {r.status_code // 100}xx"] += 1
         except httpx.HTTPError as e:
             stats["hostile dropped"] += 1
-            stats[f"hostile dropped: {type(e).__name__}"] += 1
+            stats[f"hostile dropped: {type(e).__name__} {url}{path} "
+                  f"{body[:60]!r} at {time.monotonic() - stop:.0f} s"] += 1
 
 
 async def _hang_ups(url: str, pool: list[list[int]], stop: float, stats: Counter) -> None:
