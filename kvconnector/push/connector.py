@@ -33,8 +33,9 @@ __all__ = ["PushWorker", "make", "make_scheduler", "make_worker",
 DEFAULT_UNKNOWN_TRANSFER_TIMEOUT_S = 10.0
 # Fields of a pull-mode D leg (P's answer) that mean nothing to a push D: a leg carrying one
 # was meant for a pull deployment (or made up) and is refused at admission.
-PULL_ONLY_FIELDS = ("remote_request_id", "remote_block_ids", "num_prompt_tokens",
-                    "lease_expires_at", "signature")
+# Not remote_request_id: vLLM's push proxy names P's request id in the D leg (matching by
+# request id when there is no transfer_id).
+PULL_ONLY_FIELDS = ("remote_block_ids", "num_prompt_tokens", "lease_expires_at", "signature")
 
 
 def unknown_transfer_timeout(config: EngineConfig) -> float:

@@ -155,7 +155,7 @@ def test_a_pull_shaped_d_leg_at_a_push_d_is_a_400_naming_the_field(dep, referenc
     started = time.monotonic()
     r = asyncio.run(post(dep.d.url, d_leg, "pull-shaped", timeout=TTL / 4))
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["message"].startswith("kv_transfer_params.remote_request_id")
+    assert r.json()["error"]["message"].startswith("kv_transfer_params.remote_block_ids")
     assert time.monotonic() - started < 5
     for name in PULL_FIELDS:  # each pull field on its own is named
         _, leg = legs(dep, prompt, "tid-pull-field")
