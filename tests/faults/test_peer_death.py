@@ -125,12 +125,13 @@ def test_prefill_core_killed_mid_prefill_and_mid_transfer(dep, reference):
             assert "prefill" in error.lower(), error
     assert sum(1 for r in results if r[1] is None) >= len(ps) // 2
     assert metric(d1, "pdserve:kv_recompute_fallback_total") >= 1
-    # D keeps serving on its own; the proxy, without a prefill engine, says so at once.
+    # D keeps serving on its own, and so does the proxy without a prefill engine: D
+    # computes the prompt (--p-failure-policy recompute), the client gets its answer.
     fresh = prompts(3, seed=412)
     outs = asyncio.run(_all(d1.url, fresh))
     assert outs == reference(fresh)
     started = time.monotonic()
     text, error = asyncio.run(stream_sse(dep.proxy.url, plain(fresh[0]), "no-prefill"))
-    assert error is not None and "prefill" in error.lower(), (text, error)
+    assert (text, error) == (reference(fresh[:1])[0], None)
     assert time.monotonic() - started < BOUND
     assert_no_leaks([d1], timeout=2 * TTL + 10)
