@@ -165,10 +165,10 @@ def test_watchdog_gives_up_on_the_one_p_rank_that_never_answers(one_rank_faults,
     assert latency >= TTL * 0.9, f"took {latency:.1f}s: the watchdog did not end the wait"
     assert _grew(d_before, d) == {"kv_registration_expired_total": 1,
                                   "kv_recompute_fallback_total": 1}
-    # rank 1's blocks on P: no registration came, D1's heartbeats ended with its cancel
-    wait_for(lambda: metric(dep.p, "pdserve:kv_lease_expired_total")
-             >= p_before["kv_lease_expired_total"] + 1, 3 * LEASE, "P rank 1's lease to expire")
-    assert _grew(p_before, dep.p) == {"kv_push_registrations_received_total": 1,
-                                      "kv_push_writes_total": 1, "kv_lease_expired_total": 1}
+    # rank 1's blocks on P: no registration came; D1's watchdog cancel frees them (a cancel
+    # frees blocks staged for a transfer no D rank matched), or its lease if it ends first
+    assert_no_leaks([dep.p], timeout=2 * LEASE)
+    grew = _grew(p_before, dep.p)
+    assert grew["kv_push_registrations_received_total"] == grew["kv_push_writes_total"] == 1
     # D1's rank 1 quarantines until its deadline (2 x ttl after its PUSH_REG)
     assert_no_leaks([dep.p, d], timeout=4 * TTL)
