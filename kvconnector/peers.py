@@ -93,8 +93,9 @@ class Peers:
         self._first_contacts = 0
         self._done: queue.SimpleQueue[tuple[Address, Any, BaseException | None, bool]] = (
             queue.SimpleQueue())
-        # binding checks: (address, its blob, the conflict, the bound address's verdict)
-        self._checked: queue.SimpleQueue[tuple[Address, Any, Any, str]] = queue.SimpleQueue()
+        # binding checks: (address, its blob, the conflict, the bound address, its verdict)
+        self._checked: queue.SimpleQueue[tuple[Address, Any, Any, Address, str]] = (
+            queue.SimpleQueue())
         self._known_pool = ThreadPoolExecutor(max_workers=_KNOWN_WORKERS,
                                               thread_name_prefix="nixl-handshake")
         self._new_pool = ThreadPoolExecutor(max_workers=MAX_FIRST_CONTACTS,
@@ -195,22 +196,22 @@ class Peers:
                 found, exc = self._fetch_meta(bound, None), None
             except Exception as e:  # noqa: BLE001 - any failure is a verdict
                 found, exc = None, e
-            self._checked.put((addr, meta, conflict, probe_verdict(exc, found, conflict.name)))
+            self._checked.put((addr, meta, conflict, bound,
+                               probe_verdict(exc, found, conflict.name)))
             self._wake.set()
         self._known_pool.submit(run)
 
     def _apply_checks(self) -> None:
         while True:
             try:
-                addr, meta, conflict, verdict = self._checked.get_nowait()
+                addr, meta, conflict, bound, verdict = self._checked.get_nowait()
             except queue.Empty:
                 return
             state = self._peers.get(addr)
             if state is None or state.status != "pending":
                 continue
             if verdict == GONE:
-                host, _, port = str(conflict.bound).rpartition(":")
-                self.forget((host.strip("[]"), int(port)))
+                self.forget(bound)
                 self._unbind(conflict.name, conflict.bound)
                 logger.info("KV peer %s no longer serves %s: %s:%d may take the name",
                             conflict.bound, conflict.name, *addr)
