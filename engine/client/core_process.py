@@ -36,7 +36,7 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
-from engine.core.engine_core_proc import config_to_dict, run_engine_core
+from engine.core.engine_core_proc import run_engine_core
 from engine.core.messages import (
     HandshakeFailed,
     HandshakeHello,
@@ -46,9 +46,10 @@ from engine.core.messages import (
     encode_handshake,
     engine_identity,
 )
-from engine.core.startup import (
+from engine.startup import (
     EXIT_STARTUP_STALLED,
     StartupStalled,
+    config_to_dict,
     stage_deadline,
 )
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import gc
 import logging
 import time
 from collections.abc import Iterable
@@ -24,22 +23,14 @@ from engine.protocol import (
 )
 from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import Scheduler
+from engine.startup import freeze_startup_objects
 from engine.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
-    from engine.core.startup import StartupWatch
     from engine.executor.multiproc import MultiprocExecutor
+    from engine.startup import StartupWatch
 
 logger = logging.getLogger(__name__)
-
-
-def freeze_startup_objects() -> None:
-    """Collect once, then move every object alive (torch's modules, the model, the tokenizer:
-    hundreds of thousands) out of the cyclic collector's reach, as vLLM does after start-up.
-    Without it each full collection during serving walks them all: ~2 % of a 1024-token
-    prefill's time on one core went to gc_collect_main (perf, AMD EPYC)."""
-    gc.collect()
-    gc.freeze()
 
 
 def _stage(watch: StartupWatch | None, name: str) -> contextlib.AbstractContextManager:

@@ -24,7 +24,6 @@ plain dict (see `config_to_dict`).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -53,10 +52,10 @@ from engine.core.messages import (
     encode_handshake,
     engine_identity,
 )
-from engine.core.startup import StartupWatch
-from engine.dp.engine_link import build_loop
+from engine.dp.loops import build_loop
 from engine.protocol import EngineCoreRequest, EngineCoreRequestType
 from engine.serial import MsgpackDecoder, MsgpackEncoder
+from engine.startup import StartupWatch
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +64,6 @@ _PARENT_POLL_S = 0.5
 _OUTPUT_LINGER_MS = 4000
 _DEAD = object()  # output-queue marker: send ENGINE_CORE_DEAD and stop
 _STOP = object()  # output-queue marker: flush and stop
-
-
-def config_to_dict(config: EngineConfig) -> dict[str, Any]:
-    """Plain data for the spawn arguments; `EngineConfig(**d)` rebuilds (and re-validates)."""
-    return dataclasses.asdict(config)
 
 
 class EngineCoreProc:

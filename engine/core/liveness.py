@@ -31,13 +31,9 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.core.messages import encode_heartbeat
+from engine.startup import heartbeat_interval
 
 logger = logging.getLogger(__name__)
-
-
-def heartbeat_interval(timeout_s: float) -> float:
-    """How often a process beats: six beats fit in the timeout, at most one a second."""
-    return min(1.0, timeout_s / 6)
 
 
 class CoreHeartbeat:

@@ -15,7 +15,6 @@ from typing import Any
 
 import zmq
 
-from engine.config import EngineConfig
 from engine.core.busy_loop import EngineCoreLoop, InputKind
 from engine.core.messages import HandshakeInit
 from engine.dp.messages import (
@@ -87,20 +86,3 @@ class CoordinatorLink:
             pass  # context destroyed at shutdown
         finally:
             sub.close(linger=0)
-
-
-def build_loop(core: Any, engine_index: int, config: EngineConfig, ctx: zmq.Context,
-               init: HandshakeInit, stop: threading.Event) -> EngineCoreLoop:
-    """The busy loop of this engine: plain, publishing stats, or lockstep."""
-    if not init.coordinator_engine_in:
-        return EngineCoreLoop(core, engine_index)
-    link = CoordinatorLink(ctx, engine_index, init)
-    if config.data_parallel_lockstep:
-        from engine.dp.lockstep import LockstepLoop
-
-        loop: EngineCoreLoop = LockstepLoop(core, engine_index, link)
-        link.listen_for_waves(ctx, init.coordinator_wave_pub, loop, stop)
-    else:
-        loop = EngineCoreLoop(core, engine_index)
-    loop.on_step = link.stats
-    return loop

@@ -39,14 +39,13 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.core.liveness import heartbeat_interval
-from engine.core.startup import stage_deadline
 from engine.executor import messages as m
 from engine.executor.kv_outputs import KVOutputAggregator
 from engine.executor.shm_broadcast import RingGone, ShmReader, ShmWriter
 from engine.executor.worker_proc import worker_main
 from engine.models import load_arch
 from engine.models.parallel import check_tp
+from engine.startup import config_to_dict, heartbeat_interval, stage_deadline
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +100,7 @@ class MultiprocExecutor:
                 resp_recv, resp_send = ctx.Pipe(duplex=False)
                 proc = ctx.Process(
                     target=worker_main, name=f"TPWorker_{rank}", daemon=False,
-                    args=(_config_dict(config), rank, self.tp_size, store, threads, handle,
+                    args=(config_to_dict(config), rank, self.tp_size, store, threads, handle,
                           bells[rank][0], resp_send, ready_send, logging.getLogger().level))
                 proc.start()
                 ready_send.close()
@@ -268,8 +267,3 @@ class MultiprocExecutor:
         self.broadcast.close()
         shutil.rmtree(self._store_dir, ignore_errors=True)
 
-
-def _config_dict(config: EngineConfig) -> dict[str, Any]:
-    from engine.core.engine_core_proc import config_to_dict
-
-    return config_to_dict(config)

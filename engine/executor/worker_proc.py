@@ -1,6 +1,6 @@
 """One tensor-parallel worker process: rank `rank` of `tp_size` (docs/design.md §8).
 
-Startup (seed order), each step a start-up stage with a deadline (engine/core/startup.py):
+Startup (seed order), each step a start-up stage with a deadline (engine/startup.py):
 join the torch.distributed process group (`rendezvous`: gloo on CPU, nccl on CUDA, through a
 FileStore in the executor's private directory; gloo's and nccl's sockets on the loopback
 interface — nothing of the group is reachable from another host), build this rank's model
@@ -32,13 +32,11 @@ import torch.distributed as dist
 
 from engine import stackdump
 from engine.config import EngineConfig
-from engine.core.engine_core import freeze_startup_objects
-from engine.core.liveness import heartbeat_interval
-from engine.core.startup import StartupWatch
 from engine.executor import messages as m
 from engine.executor.shm_broadcast import RingGone, RingHandle, ShmReader, ShmWriter
 from engine.kv_connector import KVCacheSpec, make_worker_half
 from engine.models.parallel import Collectives
+from engine.startup import StartupWatch, freeze_startup_objects, heartbeat_interval
 
 logger = logging.getLogger(__name__)
 

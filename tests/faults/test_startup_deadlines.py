@@ -11,8 +11,9 @@ import pytest
 from fault_kit import LOG_DIR
 from pd_harness import TEST_ENV, role_args
 
-from engine.core.startup import EXIT_STARTUP_STALLED
-from engine.server.launcher import free_port, launch_server
+from engine.net import free_port
+from engine.startup import EXIT_STARTUP_STALLED
+from pdserve.launcher import launch_server
 
 STAGE_S = 30.0  # above every honest stage of a tiny model on a busy machine
 BOUND = 180.0  # start-up of a tiny model on a busy 2-core machine + the deadline

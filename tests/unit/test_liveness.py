@@ -18,10 +18,10 @@ from engine.core.messages import (
     encode_dead,
     encode_heartbeat,
 )
-from engine.core.startup import EXIT_STARTUP_STALLED, STALL_ENV
 from engine.executor.shm_broadcast import _BEAT, ShmReader, ShmWriter
 from engine.protocol import EngineCoreOutputs
 from engine.serial import MsgpackEncoder
+from engine.startup import EXIT_STARTUP_STALLED, STALL_ENV
 
 
 def test_dead_and_heartbeat_frames_round_trip_and_outputs_are_neither() -> None:
@@ -72,7 +72,7 @@ def test_a_full_ring_gives_up_when_its_check_says_the_reader_is_stuck() -> None:
 
 
 def test_a_stage_past_its_deadline_ends_the_process_naming_it() -> None:
-    code = ("from engine.core.startup import StartupWatch\n"
+    code = ("from engine.startup import StartupWatch\n"
             "w = StartupWatch('unit', 1.0)\n"
             "with w.stage('kv_connector'):\n"
             "    pass\n")
