@@ -10,7 +10,7 @@ import argparse
 import json
 import uuid
 
-from engine.server.launcher import free_port
+from engine.net import free_port
 
 
 def add_role_args(parser: argparse.ArgumentParser, role: str) -> None:

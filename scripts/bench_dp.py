@@ -25,7 +25,7 @@ import subprocess
 import sys
 from contextlib import ExitStack
 
-from engine.server.launcher import launch_server
+from pdserve.launcher import launch_server
 
 UNIFORM = ["--random-input-len", "256", "--random-output-len", "64", "--max-concurrency", "8"]
 SKEWED = ["--random-mix", "0.5:768:96,0.5:32:8", "--request-rate", "{rate}"]
@@ -43,7 +43,7 @@ def _serve(model: str, raw: str, name: str, threads: int, stack: ExitStack, *arg
 def _bench(model: str, urls: list[str], raw: str, name: str, workload: list[str],
            n: int) -> dict:
     out = os.path.join(raw, f"{name}.json")
-    argv = [sys.executable, "-m", "engine.cli", "bench", "serve", "--model", "bench",
+    argv = [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--model", "bench",
             "--tokenizer", model, "--num-prompts", str(n), "--ignore-eos", "--seed", "7",
             "--result-json", out, "--label", name, "--disable-tqdm", *workload]
     for url in urls:

@@ -240,6 +240,6 @@ if [ "$HETERO_PAIRED_PROMPTS" -gt 0 ]; then
 fi
 loadavg end
 
-"$BIN/python" -m engine.bench.report --raw "$RAW" --out "$OUT/pd_bench.md" \
+"$BIN/python" -m pdserve.bench.report --raw "$RAW" --out "$OUT/pd_bench.md" \
     --plot "$OUT/pd_bench.png" --model "$MODEL"
 log "wrote $OUT/pd_bench.md and $OUT/pd_bench.png"

@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from pd_harness import TEST_ENV, role_args  # noqa: E402
 
-from engine.server.launcher import ServerProcess, free_port, launch_server  # noqa: E402
+from engine.net import free_port  # noqa: E402
+from pdserve.launcher import ServerProcess, launch_server  # noqa: E402
 
 
 def _start(model: str, role: str, engine_id: str, args: argparse.Namespace) -> ServerProcess:

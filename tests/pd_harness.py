@@ -15,7 +15,8 @@ from typing import Any
 
 import httpx
 
-from engine.server.launcher import ServerProcess, free_port, launch_server
+from engine.net import free_port
+from pdserve.launcher import ServerProcess, launch_server
 
 TEST_ENV = {"OMP_NUM_THREADS": "1", "PDSERVE_DEBUG_ROUTES": "1"}
 _MAX_TP = 2  # side-channel ports kept free per engine

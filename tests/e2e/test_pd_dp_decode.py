@@ -21,7 +21,8 @@ from pd_harness import (
     wait_until,
 )
 
-from engine.server.launcher import free_port, launch_server
+from engine.net import free_port
+from pdserve.launcher import launch_server
 
 CONNECTORS = {"push": "NixlPushConnector", "pull": "NixlConnector"}
 COUNTER = {"push": "pdserve:kv_push_registrations_sent_total",

@@ -27,7 +27,8 @@ from pd_harness import (
 )
 from test_pd_dp_decode import CONNECTORS, PROMPTS, reference  # noqa: F401 (fixture)
 
-from engine.server.launcher import free_port, launch_server
+from engine.net import free_port
+from pdserve.launcher import launch_server
 from proxy.kv_info import PrefillCoordinates
 from proxy.legs import (
     COMPLETIONS,

@@ -24,7 +24,8 @@ import psutil
 from pd_harness import TEST_ENV, Deployment, assert_no_leaks, engine_stats, role_args, start_proxy
 from pd_harness import metric as metric  # re-exported for the fault tests
 
-from engine.server.launcher import ServerProcess, free_port, launch_server
+from engine.net import free_port
+from pdserve.launcher import ServerProcess, launch_server
 
 MAX_TOKENS = 8
 LOG_DIR = os.environ.get("PDSERVE_FAULT_LOGS") or tempfile.mkdtemp(prefix="pdserve-faults-")

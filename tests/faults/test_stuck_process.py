@@ -22,7 +22,8 @@ import pytest
 from fault_kit import LOG_DIR
 from pd_harness import TEST_ENV, role_args, start_proxy, wait_until
 
-from engine.server.launcher import ServerProcess, free_port, launch_server
+from engine.net import free_port
+from pdserve.launcher import ServerProcess, launch_server
 
 HB = 5.0  # --heartbeat-timeout of these engines (short: the test waits for it)
 BOUND = HB + 12.0  # detection + the kill + a busy 2-core machine

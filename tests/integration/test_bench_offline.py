@@ -11,7 +11,7 @@ import sys
 
 def test_bench_offline_reports_both_throughputs_and_matmul_time(tiny_model, tmp_path):
     out = tmp_path / "offline.json"
-    subprocess.run([sys.executable, "-m", "engine.cli", "bench", "offline", "--model", tiny_model,
+    subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "offline", "--model", tiny_model,
                     "--num-prompts", "4", "--input-len", "16", "--output-len", "8",
                     "--matmul-time", "--result-json", str(out)], check=True, timeout=300,
                    capture_output=True)
@@ -26,7 +26,7 @@ def test_bench_offline_reports_both_throughputs_and_matmul_time(tiny_model, tmp_
 
 def test_bench_offline_compare_tp_reports_both_sizes_and_their_ratio(tiny_model, tmp_path):
     out = tmp_path / "tp.json"
-    subprocess.run([sys.executable, "-m", "engine.cli", "bench", "offline", "--model", tiny_model,
+    subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "offline", "--model", tiny_model,
                     "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
                     "--compare-tp", "2", "--result-json", str(out)], check=True, timeout=300,
                    capture_output=True)
@@ -38,7 +38,7 @@ def test_bench_offline_compare_tp_reports_both_sizes_and_their_ratio(tiny_model,
 
 def test_bench_broadcast_times_the_shm_ring_against_zeromq(tmp_path):
     out = tmp_path / "broadcast.json"
-    subprocess.run([sys.executable, "-m", "engine.cli", "bench", "broadcast", "--rounds", "30",
+    subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "broadcast", "--rounds", "30",
                     "--blocks", "1", "--result-json", str(out)], check=True, timeout=120,
                    capture_output=True)
     r = json.loads(out.read_text())

@@ -19,7 +19,7 @@ def _cpu_flags() -> set[str]:
 @pytest.fixture(scope="module")
 def result(tiny_model, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("roofline") / "roofline.json"
-    subprocess.run([sys.executable, "-m", "engine.cli", "bench", "roofline", "--model",
+    subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "roofline", "--model",
                     tiny_model, "--threads", "1", "--prefill-tokens", "96",
                     "--decode-context", "40", "--decode-steps", "6", "--repeats", "2",
                     "--buffer-mib", "96", "--fma-iters", "2000000", "--result-json", str(out)],

@@ -13,11 +13,12 @@ import sys
 
 import pytest
 
-from engine.bench.arrivals import send_offsets
-from engine.bench.client import RequestResult
-from engine.bench.metrics import parse_goodput, summarize
-from engine.bench.workload import class_counts, mixed_requests, parse_mix
-from engine.server.launcher import free_port, launch_server
+from engine.net import free_port
+from pdserve.bench.arrivals import send_offsets
+from pdserve.bench.client import RequestResult
+from pdserve.bench.metrics import parse_goodput, summarize
+from pdserve.bench.workload import class_counts, mixed_requests, parse_mix
+from pdserve.launcher import launch_server
 
 VLLM_KEYS = [
     "completed", "failed", "duration", "request_throughput", "output_throughput",
@@ -37,7 +38,7 @@ def server(tiny_model: str):
 def bench(tmp_path, *args: str, name: str = "r.json") -> tuple[dict, subprocess.CompletedProcess]:
     out = tmp_path / name
     proc = subprocess.run(
-        [sys.executable, "-m", "engine.cli", "bench", "serve", "--disable-tqdm",
+        [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--disable-tqdm",
          "--result-json", str(out), *args],
         capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
@@ -114,7 +115,7 @@ def test_jsonl_dataset_text_prompts(server, tmp_path):
 
 def test_bad_arguments_are_an_error_not_a_traceback(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "engine.cli", "bench", "serve", "--goodput", "latency:5"],
+        [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--goodput", "latency:5"],
         capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "bad --goodput item 'latency:5'" in proc.stderr
@@ -192,7 +193,7 @@ def _has_matplotlib() -> bool:
 
 
 def test_report_computes_goals_and_marks_missing_inputs(tmp_path):
-    from engine.bench import report
+    from pdserve.bench import report
 
     def run(ttft: float, gap: float, rate: float) -> dict:
         rs = [RequestResult("1024x64", 1024, success=True, output_tokens=3, ttft=ttft,

@@ -19,7 +19,7 @@ import pytest
 from pd_harness import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.server.launcher import ServerProcess, launch_server
+from pdserve.launcher import ServerProcess, launch_server
 
 MODEL = "tiny"
 COMMON = ["--served-model-name", MODEL, "--num-kv-blocks", "256", "--max-model-len", "512"]
@@ -285,13 +285,13 @@ def test_a_taken_side_channel_port_of_a_rank_is_a_clear_error_at_start(tiny_mode
     import subprocess
     import sys
 
-    from engine.server.launcher import free_port
+    from engine.net import free_port
 
     base = free_port(count=2)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", base + 1))
         taken.listen()
-        r = subprocess.run([sys.executable, "-m", "engine.cli", "prefill", tiny_model,
+        r = subprocess.run([sys.executable, "-m", "pdserve.cli", "prefill", tiny_model,
                             "--port", str(free_port()), "--kv-port", str(base), *flags,
                             "--kv-connector", "NixlPushConnector", "--engine-id", "P0"],
                            capture_output=True, text=True, timeout=120)

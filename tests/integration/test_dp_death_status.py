@@ -15,7 +15,7 @@ import httpx
 import pytest
 from pd_harness import per_engine, wait_until
 
-from engine.server.launcher import ServerProcess, launch_server
+from pdserve.launcher import ServerProcess, launch_server
 
 LONG = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True,
         "data_parallel_rank": 1}

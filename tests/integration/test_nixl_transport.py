@@ -459,7 +459,7 @@ def _bench_config(tmp_path) -> str:
 
 
 def test_bench_transfer_reports_design_keys_and_moves_the_right_bytes(tmp_path) -> None:
-    from kvconnector import bench_transfer
+    from pdserve.bench import transfer as bench_transfer
 
     model = _bench_config(tmp_path)
     result = bench_transfer.run(model, num_tokens=100, block_size=16, iters=2, warmup=1,
@@ -474,7 +474,7 @@ def test_bench_transfer_reports_design_keys_and_moves_the_right_bytes(tmp_path) 
 def test_bench_transfer_split_heads_writes_half_the_heads_as_runs(tmp_path) -> None:
     """P holds KV head 0 of 2 (a TP=2 rank) and writes it into D's blocks holding both: one
     descriptor per (block, layer, K/V, token), landing in head 0 of D's blocks only."""
-    from kvconnector import bench_transfer
+    from pdserve.bench import transfer as bench_transfer
 
     model = _bench_config(tmp_path)
     result = bench_transfer.run(model, num_tokens=100, block_size=16, iters=2, warmup=1,

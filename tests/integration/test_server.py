@@ -22,7 +22,7 @@ import pytest
 from pd_harness import wait_until
 from server_streams import Stream, assert_died_fast
 
-from engine.server.launcher import ServerProcess, launch_server
+from pdserve.launcher import ServerProcess, launch_server
 
 API_KEY = "test-key"
 MODEL = "tiny"

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.server.launcher import ServerProcess, launch_server
+from pdserve.launcher import ServerProcess, launch_server
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 48

@@ -16,7 +16,7 @@ import pytest
 from pd_harness import wait_until
 from server_streams import Stream, assert_died_fast
 
-from engine.server.launcher import launch_server
+from pdserve.launcher import launch_server
 
 MAX_MODEL_LEN = 512
 
@@ -107,7 +107,7 @@ def test_pd_with_tp_above_one_refuses_pull_and_unaddressed_ranks_with_a_clear_er
     with pytest.raises(ValueError, match="needs an explicit engine_id"):
         EngineConfig(model=tiny_model, tensor_parallel_size=2,
                      kv_transfer_config={**push, "engine_id": "", "kv_port": 5000})
-    r = subprocess.run([sys.executable, "-m", "engine.cli", "decode", tiny_model,
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "decode", tiny_model,
                         "--kv-connector", "NixlConnector", "--tensor-parallel-size", "2"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0

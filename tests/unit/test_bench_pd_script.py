@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-from engine.server.launcher import free_port
+from engine.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.bench.report import cost_numbers, load_runs, paired_samples, render
+from pdserve.bench.report import cost_numbers, load_runs, paired_samples, render
 
 PROXY, P = "http://127.0.0.1:18102", "http://127.0.0.1:18100"
 

@@ -463,7 +463,7 @@ def test_make_tiny_model_is_deterministic_for_a_seed(tmp_path):
 
 
 def test_cli_writes_a_loadable_model(tmp_path):
-    from engine.cli import main
+    from pdserve.cli import main
 
     out = str(tmp_path / "cli-model")
     assert main(["make-tiny-model", out, "--arch", "qwen2", "--seed", "3"]) == 0

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from engine.server.launcher import ServerProcess, free_port
+from engine.net import free_port
+from pdserve.launcher import ServerProcess
 
 HUNG = """
 import threading

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from engine.bench.output import emit
+from pdserve.bench.output import emit
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.bench.client import RequestResult
+from pdserve.bench.client import RequestResult
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")

@@ -1,4 +1,4 @@
-"""`python -m engine.bench.report`: the markdown report and plot of `scripts/bench_pd.sh`.
+"""`python -m pdserve.bench.report`: the markdown report and plot of `scripts/bench_pd.sh`.
 
 Reads the raw directory the script fills —
   `<system>__A_r<rate>.json`, `<system>__mix.json` (bench serve, --save-detailed),
@@ -319,7 +319,7 @@ def _latencies(r: dict[str, Any], kind: str | None = None) -> dict[str, list[flo
 
 
 def plot(runs: dict[str, Any], path: str) -> None:
-    from engine.bench.plot import plot_cdf_grid
+    from pdserve.bench.plot import plot_cdf_grid
 
     grid: dict[str, dict[str, dict[str, list[float]]]] = {}
     rates = sorted({rate for per in runs["A"].values() for rate in per})
@@ -409,7 +409,7 @@ def render(runs: dict[str, Any], model_dir: str | None, plot_name: str | None) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.bench.report", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.report", description=__doc__)
     parser.add_argument("--raw", required=True, help="the script's raw results directory")
     parser.add_argument("--out", required=True, help="markdown file to write")
     parser.add_argument("--plot", default=None, help="PNG to write")

@@ -21,7 +21,8 @@ import time
 
 import httpx
 
-from engine.server.launcher import ServerProcess, free_port, launch_server
+from engine.net import free_port
+from pdserve.launcher import ServerProcess, launch_server
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -27,22 +27,22 @@ from typing import Any
 
 import httpx
 
-from engine.bench.arrivals import send_offsets
-from engine.bench.client import (
+from pdserve.bench.arrivals import send_offsets
+from pdserve.bench.client import (
     RequestResult,
     completion_payload,
     fetch_prefill_info,
     send_completion,
     send_pd_direct,
 )
-from engine.bench.metrics import (
+from pdserve.bench.metrics import (
     METRICS,
     parse_goodput,
     parse_percentiles,
     summarize,
     summarize_by_kind,
 )
-from engine.bench.workload import (
+from pdserve.bench.workload import (
     BenchRequest,
     jsonl_requests,
     mixed_requests,
@@ -337,7 +337,7 @@ def print_result(result: dict[str, Any]) -> None:
 
 
 def _plot(path: str, results: list[RequestResult], label: str) -> None:
-    from engine.bench.plot import plot_cdfs
+    from pdserve.bench.plot import plot_cdfs
 
     ok = [r for r in results if r.success]
     plot_cdfs({label: {"TTFT": [r.ttft * 1000 for r in ok],

@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from engine.bench.workload import BenchRequest
+from pdserve.bench.workload import BenchRequest
 
 REQUEST_ID_HEADER = "X-Request-Id"
 

@@ -20,7 +20,7 @@ import tempfile
 import time
 from typing import Any
 
-from engine.bench.output import emit
+from pdserve.bench.output import emit
 
 _ACK = b"ok"
 

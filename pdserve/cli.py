@@ -17,17 +17,17 @@ _COMMANDS = {
     "decode": ("decode.cli", "add_args", "main", "run a decode (D) server"),
     "proxy": ("proxy.cli", "add_args", "main", "run the P/D proxy"),
     "make-tiny-model": ("engine.models.tiny", "add_args", "main", "write a random tiny model"),
-    "demo": ("engine.demo", "add_args", "main", "1P1D + proxy on localhost, streamed"),
+    "demo": ("pdserve.demo", "add_args", "main", "1P1D + proxy on localhost, streamed"),
 }
 _BENCH = {
-    "offline": ("engine.bench.offline", "add_args", "main", "LLM.generate vs transformers"),
-    "step": ("engine.bench.step", "add_args", "main", "step time: ZeroMQ vs in-process"),
-    "serve": ("engine.bench.serve", "add_args", "main", "load generator for an endpoint"),
-    "transfer": ("kvconnector.bench_transfer", "add_args", "main", "KV transfer bandwidth"),
-    "linear": ("engine.bench.linear", "add_args", "main", "decode-size matmuls: MKL vs kernel"),
-    "roofline": ("engine.bench.roofline", "add_args", "main",
+    "offline": ("pdserve.bench.offline", "add_args", "main", "LLM.generate vs transformers"),
+    "step": ("pdserve.bench.step", "add_args", "main", "step time: ZeroMQ vs in-process"),
+    "serve": ("pdserve.bench.serve", "add_args", "main", "load generator for an endpoint"),
+    "transfer": ("pdserve.bench.transfer", "add_args", "main", "KV transfer bandwidth"),
+    "linear": ("pdserve.bench.linear", "add_args", "main", "decode-size matmuls: MKL vs kernel"),
+    "roofline": ("pdserve.bench.roofline", "add_args", "main",
                  "prefill/decode against this CPU's FMA peak and memory bandwidth"),
-    "broadcast": ("engine.bench.broadcast", "add_args", "main",
+    "broadcast": ("pdserve.bench.broadcast", "add_args", "main",
                   "TP step message to workers: shm ring vs ZeroMQ"),
 }
 

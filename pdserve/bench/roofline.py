@@ -44,7 +44,7 @@ import json
 import time
 from typing import Any
 
-from engine.bench.machine import best_limits, cpu_info, machine_limits
+from pdserve.bench.machine import best_limits, cpu_info, machine_limits
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -134,11 +134,11 @@ def _engine_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> di
     --repeats each."""
     import torch
 
-    from engine.bench.step import drain
     from engine.client.inproc import InprocClient
     from engine.config import EngineConfig
     from engine.models import load_arch
     from engine.worker.kernels.calibrate import skinny_rows
+    from pdserve.bench.step import drain
 
     vocab = load_arch(args.model).vocab_size
     longest = max(args.prefill_tokens, args.decode_context + args.decode_steps + 8)
@@ -180,10 +180,10 @@ def _engine_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> di
 def _prefill_breakdown(client: Any, vocab: int, tokens: int, rid: str) -> dict[str, float]:
     """A prefill with the model's matmuls and attention calls timed (apart from the best-of
     runs: the timing wrappers cost a little)."""
-    from engine.bench.offline import _timed
-    from engine.bench.step import drain
     from engine.models import causal_lm, layers
     from engine.worker.attention import PagedAttention
+    from pdserve.bench.offline import _timed
+    from pdserve.bench.step import drain
 
     matmul, attention = [0.0], [0.0]
     with _timed([layers, causal_lm], "linear", matmul), \
