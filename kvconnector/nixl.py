@@ -30,9 +30,10 @@ peer call; the engine thread builds it, reads :meth:`local_metadata` and calls :
 once that thread stopped (docs/design.md §5). One lock serialises the agent calls, a guard for
 that hand-over and for tests that drive one transport from several threads.
 
-Fault injection (tests only) lives apart, in `kvconnector.faults`: given a ``fault_injection``
-dict, ``NixlTransport(...)`` builds a `kvconnector.faults.FaultyTransport` instead; without
-one nothing of it is on the transfer path.
+Fault injection (tests only) lives apart, in `kvconnector.faults` (`FaultyTransport`, a
+subclass); `kvconnector.transport.make_transport` picks it when a ``fault_injection`` dict is
+configured. Without one nothing of it is on the transfer path, and this module knows nothing
+of it.
 """
 
 from __future__ import annotations
@@ -114,17 +115,8 @@ def head_layout(meta: AgentMetadata) -> HeadLayout | None:
 class NixlTransport:
     """One NIXL agent over one engine's KV cache. See the module docstring for the invariants."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> NixlTransport:
-        if cls is NixlTransport and (kwargs.get("fault_injection")
-                                     or (len(args) > 4 and args[4])):
-            from kvconnector.faults import FaultyTransport  # tests only
-
-            cls = FaultyTransport
-        return super().__new__(cls)
-
     def __init__(self, name: str, kv_cache: torch.Tensor, bytes_per_block: int,
                  backends: tuple[str, ...] | list[str] = ("UCX",),
-                 fault_injection: dict[str, Any] | None = None,  # tests: see __new__
                  *, engine_id: str = "",
                  block_size: int = 0, tp_rank: int = 0, tp_size: int = 1,
                  compat_hash: str = "", telemetry: bool = False,

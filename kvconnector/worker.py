@@ -38,6 +38,7 @@ from kvconnector.peers import Peers
 from kvconnector.security import KVSecurity
 from kvconnector.tp_layout import rank_layout
 from kvconnector.transfer_thread import TransferThread
+from kvconnector.transport import make_transport
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class NixlWorker(KVConnectorWorker):
 
     def register_kv_caches(self, kv_cache: Any) -> None:
         ep = self.endpoint
-        self.transport = t = NixlTransport(
+        self.transport = t = make_transport(
             f"{ep.engine_id}-tp{self.tp_rank}", kv_cache, self.spec.bytes_per_block,
             backends=self.backends, fault_injection=self.fault_injection,
             engine_id=ep.engine_id, block_size=self.spec.block_size, compat_hash=self.compat,

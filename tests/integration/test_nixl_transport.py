@@ -45,6 +45,7 @@ def _host_main(conn: Any, seed: int) -> None:
     import torch
 
     from kvconnector.nixl import NixlTransport
+    from kvconnector.transport import make_transport
 
     transports: dict[str, NixlTransport] = {}
     servers: dict[str, SideChannelServer] = {}
@@ -66,7 +67,7 @@ def _host_main(conn: Any, seed: int) -> None:
     def create(name: str, faults: dict | None = None) -> int:
         gen = torch.Generator().manual_seed(seed * 1000 + len(transports))
         cache = torch.randn((NUM_BLOCKS, *BLOCK_SHAPE), generator=gen)
-        t = NixlTransport(name, cache, cache[0].numel() * cache.element_size(),
+        t = make_transport(name, cache, cache[0].numel() * cache.element_size(),
                           fault_injection=faults, engine_id=f"engine-{name}", block_size=4,
                           compat_hash=HASH, telemetry=True)
         transports[name], caches[name] = t, cache
@@ -521,12 +522,13 @@ def test_seeded_probabilistic_faults_repeat_exactly() -> None:
     import torch
 
     from kvconnector.nixl import NixlTransport, TransferError
+    from kvconnector.transport import make_transport
 
     faults = {"fail_write": True, "probability": 0.5, "seed": 11}
     caches = [torch.zeros((NUM_BLOCKS, *BLOCK_SHAPE)) for _ in range(3)]
     bpb = caches[0][0].numel() * 4
-    a = NixlTransport("seeded-a", caches[0], bpb, fault_injection=faults)
-    b = NixlTransport("seeded-b", caches[1], bpb, fault_injection=faults)
+    a = make_transport("seeded-a", caches[0], bpb, fault_injection=faults)
+    b = make_transport("seeded-b", caches[1], bpb, fault_injection=faults)
     sink = NixlTransport("seeded-sink", caches[2], bpb)
     try:
         patterns = []
@@ -556,11 +558,12 @@ def test_faults_by_rank_spare_the_other_ranks() -> None:
     import torch
 
     from kvconnector.nixl import NixlTransport, TransferError
+    from kvconnector.transport import make_transport
 
     faults = {"by_rank": {"1": {"fail_write": True}}}
     caches = [torch.zeros((NUM_BLOCKS, *BLOCK_SHAPE)) for _ in range(3)]
     bpb = caches[0][0].numel() * 4
-    ranks = [NixlTransport(f"ranks-{r}", caches[r], bpb, fault_injection=faults, tp_rank=r,
+    ranks = [make_transport(f"ranks-{r}", caches[r], bpb, fault_injection=faults, tp_rank=r,
                            tp_size=2) for r in (0, 1)]
     sink = NixlTransport("ranks-sink", caches[2], bpb)
     try:
