@@ -18,7 +18,7 @@ Modules:
 - connector.py  assembly: `make` builds PullScheduler and PullWorker (the shared
                 `kvconnector.worker.NixlWorker` with Lender and Reader) around one
                 `kvconnector.endpoint.Endpoint`.
-- thread.py     PullThread — the shared transfer thread's pull routes (`nixl-pull-reader`).
+- thread.py     PullThread — the shared transfer thread's pull routes (`nixl-pull-transfer`).
 - lender.py     P side: leases, heartbeats, completions, expiry.
 - reader.py     D side: claims, handshakes (kvconnector.peers.Peers), READs, heartbeats.
 """

@@ -2,7 +2,7 @@
 
 Assembly only: the scheduler half is `PullScheduler`; the worker half is the shared
 `NixlWorker` shell with pull mode's halves (`Lender` for P, `Reader` for D) on the
-`nixl-pull-reader` thread. Both halves share one `Endpoint`: the worker binds the side
+`nixl-pull-transfer` thread. Both halves share one `Endpoint`: the worker binds the side
 channel there, the scheduler advertises it in P's kv_transfer_params.
 """
 

@@ -1,4 +1,5 @@
-"""The `nixl-pull-reader` thread: the shared transfer thread with pull mode's routes.
+"""The `nixl-pull-transfer` thread: the shared transfer thread with pull mode's routes. It runs
+on both roles: on P it holds the `Lender` (leases, reads nothing), on D the `Reader`.
 
 It self-polls while D has READs staged or in flight or completions waiting for a peer, or P
 holds leased blocks (a READ of them progresses only while P is polled too), and otherwise
@@ -19,7 +20,7 @@ from kvconnector.transfer_thread import NotifHandler, TransferThread
 class PullThread(TransferThread):
     """`PullThread(transport, peers, lender, reader, wake, clock)`."""
 
-    name = "nixl-pull-reader"
+    name = "nixl-pull-transfer"
     source: Lender
     sink: Reader
 

@@ -11,7 +11,7 @@ Modules:
 - meta.py       PushMeta — what the scheduler half hands the worker each step.
 - connector.py  assembly: `make` builds PushScheduler and PushWorker (the shared
                 `kvconnector.worker.NixlWorker` with Sender and Receiver).
-- writer.py     PushWriter — the shared transfer thread's push routes (`nixl-push-writer`):
+- thread.py     PushThread — the shared transfer thread's push routes (`nixl-push-transfer`):
                 which metadata field and which notification goes to which half.
 - sender.py     P side: one `Staged` per P request, in one `SendState` (STAGED, MATCHED,
                 WRITING); registrations P holds; matching (by transfer_id when both

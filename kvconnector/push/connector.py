@@ -2,7 +2,7 @@
 
 Assembly only: the scheduler half is `PushScheduler`; the worker half is the shared
 `NixlWorker` shell with push mode's halves (`Sender` for P, `Receiver` for D) on the
-`nixl-push-writer` thread.
+`nixl-push-transfer` thread.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from kvconnector.push.meta import PushMeta
 from kvconnector.push.receiver import Receiver
 from kvconnector.push.scheduler import PushScheduler
 from kvconnector.push.sender import Sender, SenderStats
-from kvconnector.push.writer import PushWriter
+from kvconnector.push.thread import PushThread
 from kvconnector.security import KVSecurity
 from kvconnector.worker import NixlWorker
 
@@ -62,7 +62,7 @@ class PushWorker(NixlWorker):
         self.unknown_timeout = unknown_transfer_timeout(config)
 
     def make_thread(self, transport: NixlTransport, peers: Peers, wake: threading.Event,
-                    clock: Callable[[], float]) -> PushWriter:
+                    clock: Callable[[], float]) -> PushThread:
         ep = self.endpoint
         sender = Sender(transport, peers, clock, lease=self.lease, ttl=self.ttl,
                         tp_size=self.tp_size, bytes_per_block=self.spec.bytes_per_block,
@@ -79,7 +79,7 @@ class PushWorker(NixlWorker):
                                    "kv_peer_gone_total": 0,
                                    "kv_push_cancel_acks_received_total": 0},
                             tp_rank=self.tp_rank, tp_size=self.tp_size)
-        return PushWriter(transport, peers, sender, receiver, wake, clock)
+        return PushThread(transport, peers, sender, receiver, wake, clock)
 
 
 def make(config: EngineConfig, spec: KVCacheSpec) -> tuple[PushScheduler, PushWorker]:

@@ -1,6 +1,6 @@
-"""D side of the push writer: register preallocated blocks with P, await the WRITE.
+"""D side of the push thread: register preallocated blocks with P, await the WRITE.
 
-Owned by the writer thread. A request's blocks become free-able (`done`) only once it is
+Owned by the push thread. A request's blocks become free-able (`done`) only once it is
 released by the scheduler AND no WRITE from P can still land in them ("safe"): the WRITE
 completed, P said PUSH_FAIL, P acknowledged our PUSH_CANCEL, the registration never left
 D, the quarantine deadline passed (P never posts for a registration older than its

@@ -1,6 +1,6 @@
-"""P side of the push writer: match D registrations with finished prefill blocks, WRITE.
+"""P side of the push thread: match D registrations with finished prefill blocks, WRITE.
 
-Owned by the writer thread. Either side of a match may arrive first. A P request and a
+Owned by the push thread. Either side of a match may arrive first. A P request and a
 registration name the same transfer when both carry a transfer_id and they are equal; a
 transfer_id on either side excludes any other match (client-chosen request ids never pair a
 request that has one). Only when neither has one: the exact request id, then the id without
@@ -197,7 +197,7 @@ class Sender:
 
     def on_registration(self, reg: Any, received_at: float | None = None,
                         agent: str | None = None) -> None:
-        """`received_at`: the earliest time the registration may have arrived (the writer
+        """`received_at`: the earliest time the registration may have arrived (the push thread
         passes its previous notification drain); the ttl counts from there. `agent`: the
         NIXL agent that sent it, which the registration then belongs to."""
         self.stats.add("kv_push_registrations_received_total")

@@ -1,4 +1,4 @@
-"""What P's push writer holds (plain data, owned by the writer thread): a P request's staged
+"""What P's push thread holds (plain data, owned by the push thread): a P request's staged
 blocks and its state, D's pending registrations, the WRITEs in flight, and the rules that
 pair a registration with a P request (`match_rank`, `digest_ok`, `tomb_key`).
 

@@ -26,7 +26,7 @@ from kvconnector.peers import ALIVE, GONE, SILENT, PeerState
 from kvconnector.push.meta import FinishedBlocks, PushMeta, Registration
 from kvconnector.push.receiver import Receiver
 from kvconnector.push.sender import Sender, SenderStats
-from kvconnector.push.writer import PushWriter
+from kvconnector.push.thread import PushThread
 from kvconnector.security import prompt_digest
 
 TTL, LEASE = 10.0, 5.0
@@ -79,13 +79,13 @@ def _d_receiver(clock: Clock, t: FakeTransport, peers: FakePeers) -> Receiver:
                     stats={"kv_push_registrations_sent_total": 0})
 
 
-def _p_writer(clock: Clock) -> tuple[PushWriter, FakeTransport, Sender]:
+def _p_writer(clock: Clock) -> tuple[PushThread, FakeTransport, Sender]:
     t, peers = FakeTransport(LOADED), FakePeers(D_AGENT)
     sender = Sender(t, peers, clock, lease=LEASE, ttl=TTL, tp_size=1, bytes_per_block=64,
                     stats=SenderStats())
     receiver = Receiver(t, peers, clock, identity={}, ttl=TTL, hb_interval=1.0, grace=1.0,
                         stats={"kv_push_registrations_sent_total": 0})
-    return PushWriter(t, peers, sender, receiver, threading.Event(), clock), t, sender
+    return PushThread(t, peers, sender, receiver, threading.Event(), clock), t, sender
 
 
 PROMPT = list(range(20))
@@ -105,7 +105,7 @@ def _blocks(pid: str, tid: str | None, digest: str = DIGEST,
     return PushMeta(finished_blocks=[FinishedBlocks(pid, tid, list(blocks), 20, digest)])
 
 
-def _thawed_p_writes(frozen_for: float) -> tuple[FakeTransport, PushWriter]:
+def _thawed_p_writes(frozen_for: float) -> tuple[FakeTransport, PushThread]:
     """P drains (nothing), sleeps `frozen_for`, then finds a PUSH_REG and its blocks."""
     clock = Clock()
     writer, t, sender = _p_writer(clock)

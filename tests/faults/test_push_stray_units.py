@@ -29,20 +29,20 @@ from kvconnector import wire
 from kvconnector.push.meta import PushMeta, Queued
 from kvconnector.push.receiver import Receiver
 from kvconnector.push.sender import Sender, SenderStats
-from kvconnector.push.writer import PushWriter
+from kvconnector.push.thread import PushThread
 
 UNKNOWN_S = 2.0
 UNKNOWN = "kv_push_unknown_transfer_total"
 
 
 def _writer(clock: Clock, loaded: tuple[str, ...] = LOADED
-            ) -> tuple[PushWriter, FakeTransport, Sender]:
+            ) -> tuple[PushThread, FakeTransport, Sender]:
     t, peers = FakeTransport(loaded), FakePeers(D_AGENT)
     sender = Sender(t, peers, clock, lease=LEASE, ttl=TTL, tp_size=1, bytes_per_block=64,
                     stats=SenderStats(), unknown_timeout=UNKNOWN_S)
     receiver = Receiver(t, peers, clock, identity={}, ttl=TTL, hb_interval=1.0, grace=1.0,
                         stats={"kv_push_registrations_sent_total": 0})
-    return PushWriter(t, peers, sender, receiver, threading.Event(), clock), t, sender
+    return PushThread(t, peers, sender, receiver, threading.Event(), clock), t, sender
 
 
 def _arrived(pid: str, tid: str | None) -> PushMeta:

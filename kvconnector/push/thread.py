@@ -1,4 +1,7 @@
-"""The `nixl-push-writer` thread: the shared transfer thread with push mode's routes.
+"""The `nixl-push-transfer` thread: the shared transfer thread with push mode's routes. It runs
+on both roles: on P it holds the `Sender` (matches registrations, WRITEs), on D the `Receiver`
+(registers blocks, awaits the WRITE) — D writes nothing, so neither the thread nor the class is
+named for writing.
 
 It self-polls while P has staged blocks or WRITEs in flight, or D has registrations awaiting
 their WRITE (which needs this side's progress too), and prunes idle peers.
@@ -15,10 +18,10 @@ from kvconnector.push.sender import Sender
 from kvconnector.transfer_thread import NotifHandler, TransferThread
 
 
-class PushWriter(TransferThread):
-    """`PushWriter(transport, peers, sender, receiver, wake, clock)`."""
+class PushThread(TransferThread):
+    """`PushThread(transport, peers, sender, receiver, wake, clock)`."""
 
-    name = "nixl-push-writer"
+    name = "nixl-push-transfer"
     prune_idle = True
     source: Sender
     sink: Receiver
