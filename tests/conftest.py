@@ -46,7 +46,7 @@ def kernel_isa(request: pytest.FixtureRequest):
     """The compiled kernels forced onto each instruction-set path in turn (as PDSERVE_ISA
     does); a path this CPU lacks is skipped (the build is -march=native, so it is not
     compiled in). Yields the kernels' module; the best path is restored afterwards."""
-    from engine.worker import kernels
+    from engine import kernels
 
     mod = kernels.compiled()
     # gcc and ninja are installed by `make install`: a missing kernel is a failure here.

@@ -21,10 +21,10 @@ from engine.protocol import (
     SamplingParams,
     SchedulerStats,
 )
+from engine.runner.model_runner import ModelRunner
 from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import Scheduler
 from engine.startup import freeze_startup_objects
-from engine.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
     from engine.executor.multiproc import MultiprocExecutor

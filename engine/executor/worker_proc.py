@@ -49,7 +49,7 @@ class Worker:
 
     def __init__(self, config: EngineConfig, rank: int, tp_size: int,
                  watch: StartupWatch) -> None:
-        from engine.worker.model_runner import ModelRunner
+        from engine.runner.model_runner import ModelRunner
 
         self.rank = rank
         with watch.stage("model"):

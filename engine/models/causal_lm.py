@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.kernels.linear import linear
 from engine.models.arch import ModelArch
 from engine.models.layers import AttentionFn, DecoderLayer, add_rms_norm, empty_param
-from engine.models.linear import linear
 from engine.models.parallel import (
     Collectives,
     TPLayout,

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.linear import act_kernels, fp32_kernels, linear
 from engine.models.arch import ModelArch
-from engine.models.linear import act_kernels, fp32_kernels, linear
 from engine.models.parallel import AllReduceFn, TPLayout
 from engine.models.rope import apply_rotary
 

@@ -38,7 +38,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
 
-    from engine.worker.kernels import linear_kernel
+    from engine.kernels import linear_kernel
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,5 +1,5 @@
 """This machine's compute and memory limits, measured by the compiled roofline loops
-(engine/worker/kernels/roofline.cpp), and the CPU's name and relevant flags."""
+(engine/kernels/roofline.cpp), and the CPU's name and relevant flags."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def machine_limits(threads: list[int], repeats: int, buffer_mib: int,
     streaming-read GB/s, each the best of `repeats`."""
     import torch
 
-    from engine.worker.kernels import compiled
+    from engine.kernels import compiled
 
     k = compiled()
     if k is None:

@@ -1,6 +1,6 @@
 """`pdserve bench roofline`: the engine against this machine's own limits, in one run.
 
-Limits (compiled loops in engine/worker/kernels/roofline.cpp, best of --repeats each), for 1
+Limits (compiled loops in engine/kernels/roofline.cpp, best of --repeats each), for 1
 and 2 threads (--threads):
 - fp32 FMA peak: 16 independent FMA chains per thread on the widest vectors present
   (AVX-512, else AVX2+FMA); GFLOP/s = threads * iters * 16 * lanes * 2 / s.
@@ -22,7 +22,7 @@ Engine (the real EngineCore in this process, torch.set_num_threads(t), prefix ca
       decode bytes = e * (P + V*hidden) + e * 2*L*KV*D*c
   with e the dtype's bytes per element and c the step's mean context length. Reported as
   GB/s and as a fraction of the streaming-read bandwidth at the same thread count.
-- practical prefill bound (fp32): the sgemm the prefill runs (engine/models/linear.py
+- practical prefill bound (fp32): the sgemm the prefill runs (engine/kernels/linear.py
   large_linear: oneDNN's matmul) timed on this model's own four per-layer matmul shapes at
   --prefill-tokens rows, best of --repeats each, beside torch's F.linear (MKL) on the same
   shapes; sgemm GFLOP/s = their FLOPs / their summed times, and prefill_fma_bound = that / the
@@ -93,7 +93,7 @@ def sgemm_gflops(shapes: list[tuple[int, int]], tokens: int, repeats: int,
     float32."""
     import torch
 
-    from engine.models.linear import large_linear
+    from engine.kernels.linear import large_linear
 
     gemm = gemm or large_linear
     flop = seconds = 0.0
@@ -136,8 +136,8 @@ def _engine_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> di
 
     from engine.client.inproc import InprocClient
     from engine.config import EngineConfig
+    from engine.kernels.linear import skinny_rows
     from engine.models import load_arch
-    from engine.worker.kernels.calibrate import skinny_rows
     from pdserve.bench.step import drain
 
     vocab = load_arch(args.model).vocab_size
@@ -181,7 +181,7 @@ def _prefill_breakdown(client: Any, vocab: int, tokens: int, rid: str) -> dict[s
     """A prefill with the model's matmuls and attention calls timed (apart from the best-of
     runs: the timing wrappers cost a little)."""
     from engine.models import causal_lm, layers
-    from engine.worker.attention import PagedAttention
+    from engine.runner.attention import PagedAttention
     from pdserve.bench.offline import _timed
     from pdserve.bench.step import drain
 
@@ -237,7 +237,7 @@ def _engine_table(args: argparse.Namespace, dtype: str, runs: dict[int, dict],
 def _recalibrate(threads: list[int]) -> None:
     import torch
 
-    from engine.worker.kernels.calibrate import recalibrate
+    from engine.kernels.linear import recalibrate
 
     for t in threads:
         torch.set_num_threads(t)

@@ -98,7 +98,7 @@ def _setup(name: str, shape: Shape, num_blocks: int, backends: list[str],
            huge_pages: bool, heads: int) -> tuple:
     import torch
 
-    from engine.worker.huge_pages import alloc_kv_cache
+    from engine.runner.huge_pages import alloc_kv_cache
     from kvconnector.handshake import SideChannelServer
     from kvconnector.nixl import NixlTransport
 

@@ -145,7 +145,7 @@ def test_bfloat16_greedy_tracks_transformers_bf16_up_to_near_ties(
         return
     from transformers import AutoModelForCausalLM
 
-    from engine.worker.kernels import compiled
+    from engine.kernels import compiled
 
     llm = _engine(gguf_path, "bfloat16")
     try:

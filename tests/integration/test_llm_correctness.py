@@ -10,7 +10,7 @@ import torch
 from bf16_referee import REFEREE_PATHS, judge, runs_here
 
 from engine import LLM, SamplingParams
-from engine.worker.kernels import compiled
+from engine.kernels import compiled
 
 MAX_TOKENS = 32
 LENGTHS = [1, 2, 3, 5, 8, 15, 16, 17, 31, 33, 64, 100, 127, 160, 211, 256, 300]

@@ -1,4 +1,4 @@
-"""engine/worker/huge_pages.py: the weights move onto one 2 MiB-aligned huge-page region with
+"""engine/runner/huge_pages.py: the weights move onto one 2 MiB-aligned huge-page region with
 their values, a tied parameter once, small ones left where they are."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.worker.huge_pages import HUGE_PAGE, weights_on_huge_pages
+from engine.runner.huge_pages import HUGE_PAGE, weights_on_huge_pages
 
 
 class _Model(nn.Module):

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from engine.worker.attention import AttentionMetadata, PagedAttention, SeqSpan
+from engine.runner.attention import AttentionMetadata, PagedAttention, SeqSpan
 
 BS, LAYERS, KV, GROUP, DIM = 16, 3, 2, 3, 32
 HEADS = KV * GROUP

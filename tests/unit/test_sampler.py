@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.protocol import SamplingParams
-from engine.worker.sampler import Sampler, build_sampling_metadata
+from engine.runner.sampler import Sampler, build_sampling_metadata
 
 V = 64
 
@@ -134,7 +134,7 @@ def test_penalties_match_hand_computed_reference():
         SamplingParams(temperature=0.0, repetition_penalty=0.8, frequency_penalty=-0.5),
     ]
     meta = _meta(params, prompts, outputs)
-    from engine.worker.sampling_ops import apply_penalties
+    from engine.runner.sampling_ops import apply_penalties
 
     got = apply_penalties(logits.clone(), meta.prompt_tokens, meta.output_tokens,
                           meta.repetition_penalties, meta.presence_penalties,
@@ -250,7 +250,7 @@ def test_metadata_rejects_mismatched_lengths_and_shapes():
 
 def test_filters_and_repetition_penalty_match_hugging_face():
     tf = pytest.importorskip("transformers.generation.logits_process")
-    from engine.worker.sampling_ops import apply_min_p, apply_penalties, apply_top_k_top_p
+    from engine.runner.sampling_ops import apply_min_p, apply_penalties, apply_top_k_top_p
 
     torch.manual_seed(8)
     scores = torch.randn(4, V) * 2
@@ -278,7 +278,7 @@ def test_filters_and_repetition_penalty_match_hugging_face():
 
 def _support(row: torch.Tensor, top_k: int, top_p: float) -> set[int]:
     """Reference support from the full-sort filter (itself checked against HF above)."""
-    from engine.worker.sampling_ops import apply_top_k_top_p
+    from engine.runner.sampling_ops import apply_top_k_top_p
 
     masked = apply_top_k_top_p(row.unsqueeze(0).clone(), torch.tensor([top_k]),
                                torch.tensor([top_p]))

@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models import linear as linear_mod
-from engine.worker.kernels import calibrate
+from engine.kernels import calibrate
+from engine.kernels import linear as linear_mod
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
@@ -108,12 +108,12 @@ class _FakeKernel:
 @pytest.mark.parametrize("fast_rows,want", [(0, 0), (8, 8), (1000, calibrate.ROWS[-1])])
 def test_threshold_is_the_largest_row_count_where_the_kernel_wins(fast_rows, want, monkeypatch):
     monkeypatch.setattr(calibrate, "CALIBRATION_SHAPE", (256, 128))
-    assert calibrate.measure(_FakeKernel(fast_rows), torch.float32) == want
+    assert calibrate.measure(_FakeKernel(fast_rows), torch.float32, linear_mod.large_linear) == want
 
 
 def test_measured_thresholds_are_stored_per_dtype_threads_and_path(kernel_isa):
     for dtype in (torch.float32, torch.bfloat16):
-        rows = calibrate.skinny_rows(dtype)
+        rows = linear_mod.skinny_rows(dtype)
         assert rows == 0 or rows in calibrate.ROWS
     import json
 
@@ -123,7 +123,7 @@ def test_measured_thresholds_are_stored_per_dtype_threads_and_path(kernel_isa):
     if linear_mod.ONEDNN:  # the float32 gemm beyond them, measured on the way
         keys.add(f"float32:{threads}:onednn")
     assert keys <= set(table)
-    assert calibrate.skinny_rows(torch.float16) == 0
+    assert linear_mod.skinny_rows(torch.float16) == 0
 
 
 def test_the_float32_gemm_is_the_one_measured_faster(monkeypatch):
@@ -169,13 +169,13 @@ def _in_subprocess(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_pdserve_linear_torch_turns_the_kernel_off():
-    out = _in_subprocess("from engine.worker import kernels; print(kernels.linear_kernel())",
+    out = _in_subprocess("from engine import kernels; print(kernels.linear_kernel())",
                          PDSERVE_LINEAR="torch")
     assert out.stdout.strip() == "None", out.stderr
 
 
 def test_pdserve_isa_forces_a_path_and_names_the_paths_on_a_bad_one():
-    code = "from engine.worker import kernels; print(kernels.compiled().get_isa())"
+    code = "from engine import kernels; print(kernels.compiled().get_isa())"
     out = _in_subprocess(code, PDSERVE_ISA="scalar")
     assert out.stdout.strip() == "scalar", out.stderr
     out = _in_subprocess(code, PDSERVE_ISA="sse9")

@@ -3,9 +3,9 @@
 A decode step with a small batch multiplies a few rows by every weight matrix; the time is
 the weight's trip from memory, and the BLAS gemm behind F.linear spends up to twice that. For
 float32 or bfloat16 CPU inputs of at most `skinny_rows(dtype)` rows the compiled
-`skinny_linear` kernel (engine/worker/kernels/skinny_linear.cpp) streams the weight once
+`skinny_linear` kernel (engine/kernels/skinny_linear.cpp) streams the weight once
 instead (bf16 with vdpbf16ps where the CPU has AVX512-BF16). The row threshold is measured
-on this machine for its dtype, thread count and kernel path (engine/worker/kernels/
+on this machine for its dtype, thread count and kernel path (engine/kernels/
 calibrate.py); beyond it the blocked gemm wins. For float32 that gemm (`large_linear`) is
 oneDNN's matmul (torch's own mkldnn build, on the plain weight: no packed copy, full float32)
 where it is not slower than the MKL sgemm behind F.linear, which is measured once per machine
@@ -19,14 +19,14 @@ the SwiGLU activation `silu_mul` (silu_mul.cpp) for float32 and bf16.
 
 from __future__ import annotations
 
+import functools
 import os
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from engine.worker.kernels import compiled, linear_kernel
-from engine.worker.kernels.calibrate import onednn_sgemm, skinny_rows
+from engine.kernels import calibrate, compiled, linear_kernel
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -59,6 +59,48 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear by oneDNN's matmul (float32 CPU tensors, weight contiguous)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
+
+
+@functools.cache
+def onednn_sgemm(threads: int) -> bool:
+    """Whether float32 gemms beyond the skinny rows go to oneDNN at this thread count (else
+    F.linear): measured once per machine, then read from the store."""
+    return calibrate.gemm_choice(threads, lambda: calibrate.measure_gemm(onednn_linear, F.linear))
+
+
+@functools.cache
+def _threshold(dtype: torch.dtype, threads: int, isa: str) -> int:
+    return calibrate.threshold(dtype, threads, isa,
+                               lambda: calibrate.measure(linear_kernel(), dtype, large_linear))
+
+
+def skinny_rows(dtype: torch.dtype) -> int:
+    """Up to how many rows `linear` should use the kernel for this dtype, thread count and path
+    (0: never). Measured once per machine, then read from the store."""
+    kernel = linear_kernel()
+    if kernel is None or dtype not in (torch.float32, torch.bfloat16):
+        return 0
+    return _threshold(dtype, torch.get_num_threads(), kernel.get_isa())
+
+
+def recalibrate() -> dict[str, int]:
+    """Measure both dtypes again at this process's thread count and path, replacing what the
+    store holds for them."""
+    kernel = linear_kernel()
+    if kernel is None:
+        return {}
+    _threshold.cache_clear()
+    onednn_sgemm.cache_clear()
+    threads = torch.get_num_threads()
+    out = {}
+    if ONEDNN:
+        out["float32_onednn"] = int(calibrate.measure_gemm(onednn_linear, F.linear))
+        calibrate.save_gemm_choice(threads, bool(out["float32_onednn"]))
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = calibrate.measure(kernel, dtype, large_linear)
+        calibrate.save_threshold(dtype, threads, kernel.get_isa(), rows)
+        out[str(dtype).removeprefix("torch.")] = rows
+    return out
 
 
 def act_kernels(x: torch.Tensor) -> ModuleType | None:

@@ -1,5 +1,5 @@
-"""Measured dispatch threshold of the skinny_linear kernel: up to how many rows it beats the gemm
-`linear` uses beyond it (engine/models/linear.py `large_linear`: oneDNN for float32, F.linear
+"""Measured dispatch thresholds of the skinny_linear kernel: up to how many rows it beats the gemm
+`linear` uses beyond it (engine/kernels/linear.py `large_linear`: oneDNN for float32, F.linear
 for bf16).
 
 The crossover depends on the CPU (vector width, bf16 dot instructions, cache sizes), on the
@@ -10,16 +10,18 @@ CALIBRATION_SHAPE (larger than a core's L2, as the model's weights are) is multi
 threshold is the largest row count at which the kernel is not slower, 0 if it never wins.
 The result (well under a second to measure) is stored beside the kernels' shared object
 (`<name>.thresholds.json`, keyed "dtype:threads:path"), so each machine measures once;
-`python -m engine.worker.kernels --recalibrate` measures again (e.g. on a quiet machine).
+`python -m engine.kernels --recalibrate` measures again (e.g. on a quiet machine).
 
 Which float32 gemm `large_linear` runs is measured the same way, once per thread count:
 oneDNN's matmul against F.linear (MKL's sgemm) on GEMM_ROWS rows of the same weight, best of
 REPEATS each; oneDNN where it is not slower (key "float32:threads:onednn").
+
+This module measures and stores; it is handed the gemms it times (the dispatch in linear.py
+passes its own), so it imports nothing above the kernels' build.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -30,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from engine.kernels import cached_path
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +42,10 @@ ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 GEMM_ROWS = 256  # a prefill chunk's rows, well past every skinny threshold
 REPEATS = 5
 
+Gemm = Callable[[torch.Tensor, torch.Tensor], Any]
+
 
 def _store() -> Path:
-    from engine.worker.kernels import cached_path
-
     name, so = cached_path()
     return so.with_name(f"{name}.thresholds.json")
 
@@ -54,7 +57,8 @@ def _load() -> dict[str, int]:
         return {}
 
 
-def _save(key: str, rows: int) -> None:
+def save(key: str, rows: int) -> None:
+    """Store `rows` under `key`, replacing what the store held for it."""
     path = _store()
     table = {**_load(), key: rows}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -70,26 +74,24 @@ def _seconds(fn, x: torch.Tensor, w: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def measure(kernel, dtype: torch.dtype) -> int:
-    """Largest row count in ROWS where kernel.skinny_linear is not slower than the gemm."""
-    from engine.models.linear import large_linear
-
+def measure(kernel, dtype: torch.dtype, gemm: Gemm) -> int:
+    """Largest row count in ROWS where kernel.skinny_linear is not slower than `gemm`."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(*CALIBRATION_SHAPE, generator=gen).to(dtype)
     best = 0
     for m in ROWS:
         x = torch.randn(m, w.shape[1], generator=gen).to(dtype)
-        kernel.skinny_linear(x, w), large_linear(x, w)  # warm both
+        kernel.skinny_linear(x, w), gemm(x, w)  # warm both
         k = t = float("inf")
         for _ in range(REPEATS):
             k = min(k, _seconds(kernel.skinny_linear, x, w))
-            t = min(t, _seconds(large_linear, x, w))
+            t = min(t, _seconds(gemm, x, w))
         if k <= t:
             best = m
     return best
 
 
-def measure_gemm(onednn: Callable[..., Any], mkl: Callable[..., Any]) -> bool:
+def measure_gemm(onednn: Gemm, mkl: Gemm) -> bool:
     """Whether `onednn` is not slower than `mkl` on [GEMM_ROWS, in] x CALIBRATION_SHAPE^T."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(*CALIBRATION_SHAPE, generator=gen)
@@ -102,71 +104,48 @@ def measure_gemm(onednn: Callable[..., Any], mkl: Callable[..., Any]) -> bool:
     return a <= b
 
 
-@functools.cache
-def onednn_sgemm(threads: int) -> bool:
-    """Whether float32 gemms beyond the skinny rows go to oneDNN at this thread count (else
-    F.linear): measured once per machine, then read from the store."""
-    from engine.models.linear import onednn_linear
-
-    key = f"float32:{threads}:onednn"
-    table = _load()
-    if key in table:
-        return bool(table[key])
-    wins = measure_gemm(onednn_linear, F.linear)
-    logger.info("float32 gemm at %d threads: %s (measured)", threads,
-                "oneDNN" if wins else "F.linear")
-    _save(key, int(wins))
-    return wins
-
-
 def _key(dtype: torch.dtype, threads: int, isa: str) -> str:
     # ":gemm2": measured against large_linear (keys without it were against F.linear)
     return f"{str(dtype).removeprefix('torch.')}:{threads}:{isa}:gemm2"
 
 
-@functools.cache
-def _threshold(dtype: torch.dtype, threads: int, isa: str) -> int:
-    from engine.worker.kernels import linear_kernel
+def _gemm_key(threads: int) -> str:
+    return f"float32:{threads}:onednn"
 
-    key = _key(dtype, threads, isa)
+
+def _stored(key: str, measure_now: Callable[[], int]) -> tuple[int, bool]:
+    """(the store's value for `key`, False), or (`measure_now()`, True) measured and stored."""
     table = _load()
     if key in table:
-        return int(table[key])
-    rows = measure(linear_kernel(), dtype)
-    logger.info("skinny_linear threshold %s: %d rows (measured)", key, rows)
-    _save(key, rows)
+        return int(table[key]), False
+    value = int(measure_now())
+    save(key, value)
+    return value, True
+
+
+def threshold(dtype: torch.dtype, threads: int, isa: str, measure_now: Callable[[], int]) -> int:
+    """The stored skinny_linear threshold for (dtype, threads, path), measured by
+    `measure_now()` and stored if this machine has none yet."""
+    key = _key(dtype, threads, isa)
+    rows, measured = _stored(key, measure_now)
+    if measured:
+        logger.info("skinny_linear threshold %s: %d rows (measured)", key, rows)
     return rows
 
 
-def skinny_rows(dtype: torch.dtype) -> int:
-    """Up to how many rows `linear` should use the kernel for this dtype, thread count and path
-    (0: never). Measured once per machine, then read from the store."""
-    from engine.worker.kernels import linear_kernel
+def gemm_choice(threads: int, measure_now: Callable[[], bool]) -> bool:
+    """The stored float32 gemm choice (True: oneDNN) at this thread count, measured by
+    `measure_now()` and stored if this machine has none yet."""
+    wins, measured = _stored(_gemm_key(threads), measure_now)
+    if measured:
+        logger.info("float32 gemm at %d threads: %s (measured)", threads,
+                    "oneDNN" if wins else "F.linear")
+    return bool(wins)
 
-    kernel = linear_kernel()
-    if kernel is None or dtype not in (torch.float32, torch.bfloat16):
-        return 0
-    return _threshold(dtype, torch.get_num_threads(), kernel.get_isa())
+
+def save_threshold(dtype: torch.dtype, threads: int, isa: str, rows: int) -> None:
+    save(_key(dtype, threads, isa), rows)
 
 
-def recalibrate() -> dict[str, int]:
-    """Measure both dtypes again at this process's thread count and path, replacing what the
-    store holds for them."""
-    from engine.models.linear import ONEDNN, onednn_linear
-    from engine.worker.kernels import linear_kernel
-
-    kernel = linear_kernel()
-    if kernel is None:
-        return {}
-    _threshold.cache_clear()
-    onednn_sgemm.cache_clear()
-    threads = torch.get_num_threads()
-    out = {}
-    if ONEDNN:
-        out["float32_onednn"] = int(measure_gemm(onednn_linear, F.linear))
-        _save(f"float32:{threads}:onednn", out["float32_onednn"])
-    for dtype in (torch.float32, torch.bfloat16):
-        rows = measure(kernel, dtype)
-        _save(_key(dtype, torch.get_num_threads(), kernel.get_isa()), rows)
-        out[str(dtype).removeprefix("torch.")] = rows
-    return out
+def save_gemm_choice(threads: int, onednn: bool) -> None:
+    save(_gemm_key(threads), int(onednn))

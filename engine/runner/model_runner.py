@@ -12,16 +12,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import kernels
 from engine.config import EngineConfig
 from engine.kv_connector import KVCacheSpec, KVConnectorWorker
 from engine.models import load_arch, load_model
 from engine.models.parallel import Collectives
 from engine.protocol import SamplingParams
+from engine.runner.attention import AttentionMetadata, PagedAttention, SeqSpan
+from engine.runner.huge_pages import alloc_kv_cache, weights_on_huge_pages
+from engine.runner.sampler import Sampler, build_sampling_metadata
 from engine.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from engine.worker import kernels
-from engine.worker.attention import AttentionMetadata, PagedAttention, SeqSpan
-from engine.worker.huge_pages import alloc_kv_cache, weights_on_huge_pages
-from engine.worker.sampler import Sampler, build_sampling_metadata
 
 logger = logging.getLogger(__name__)
 

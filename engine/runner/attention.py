@@ -14,7 +14,7 @@ then each sequence's queries attend over its whole context read back through its
 table. A query at absolute position p sees keys at positions <= p: that single rule is
 right for fresh prefills, later prefill chunks and prefix-cache hits alike.
 
-Decodes (one query token) go to the compiled kernel (engine/worker/kernels) when it is
+Decodes (one query token) go to the compiled kernel (engine/kernels) when it is
 available: it reads each sequence's K/V in place through its block table, every sequence at
 its own length. Without it they are gathered with index_select and batched into padded
 scaled_dot_product_attention calls, grouped by length. Float32 prefills and fresh bf16

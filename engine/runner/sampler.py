@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.protocol import Logprobs
-from engine.worker.sampling_metadata import SamplingMetadata, build_sampling_metadata
-from engine.worker.sampling_ops import (
+from engine.runner.sampling_metadata import SamplingMetadata, build_sampling_metadata
+from engine.runner.sampling_ops import (
     apply_min_p,
     apply_min_tokens_mask,
     apply_penalties,

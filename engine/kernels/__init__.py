@@ -12,11 +12,16 @@ sources, the compiler flags, the torch version and the CPU (the code is built wi
 ~/.cache/pdserve/kernels). A process that finds it imports it directly; one that does not
 builds it in a private temporary directory and moves the result into place atomically, so
 concurrent builders never wait on each other and a builder killed midway leaves no lock behind.
-`make install` builds it ahead of time (`python -m engine.worker.kernels`), so no engine start
+`make install` builds it ahead of time (`python -m engine.kernels`), so no engine start
 pays for the compiler. PDSERVE_ATTENTION=torch and PDSERVE_LINEAR=torch turn the kernels off
 (for comparisons and as escape hatches). The kernels run on the best instruction-set path the
 build has (isa.h: avx512_bf16 > avx512 > avx2 > scalar); PDSERVE_ISA forces a lower one.
 `roofline.cpp` holds the machine-limit loops of `pdserve bench roofline`.
+
+The package sits below both the models and the runner and imports neither: `linear.py` is the
+matmul dispatch the models' layers call (the skinny kernel, oneDNN or F.linear), `calibrate.py`
+the measurements and their store that dispatch consults (it is handed the gemms it times),
+`__main__.py` the ahead-of-time build.
 """
 
 from __future__ import annotations
@@ -135,22 +140,3 @@ def linear_kernel() -> ModuleType | None:
     if os.environ.get("PDSERVE_LINEAR", "kernel") == "torch":
         return None
     return compiled()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Build (or find) the kernels and measure the skinny_linear thresholds; --recalibrate
-    measures them again."""
-    import torch
-
-    from engine.worker.kernels import calibrate
-
-    mod = compiled()
-    if mod is None:
-        print(f"CPU kernels: NOT available ({cached_path()[1]})")
-        return 1
-    argv = sys.argv[1:] if argv is None else argv
-    rows = (calibrate.recalibrate() if "--recalibrate" in argv else
-            {dt: calibrate.skinny_rows(getattr(torch, dt)) for dt in ("float32", "bfloat16")})
-    print(f"CPU kernels: ready, path {mod.get_isa()} of {', '.join(mod.isa_paths())} "
-          f"({cached_path()[1]}); skinny_linear up to rows {rows}")
-    return 0

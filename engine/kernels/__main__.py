@@ -1,0 +1,28 @@
+"""`python -m engine.kernels [--recalibrate]`: build (or find) the kernels and measure the
+skinny_linear thresholds; --recalibrate measures them again."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from engine.kernels import cached_path, compiled
+from engine.kernels.linear import recalibrate, skinny_rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    mod = compiled()
+    if mod is None:
+        print(f"CPU kernels: NOT available ({cached_path()[1]})")
+        return 1
+    argv = sys.argv[1:] if argv is None else argv
+    rows = (recalibrate() if "--recalibrate" in argv else
+            {dt: skinny_rows(getattr(torch, dt)) for dt in ("float32", "bfloat16")})
+    print(f"CPU kernels: ready, path {mod.get_isa()} of {', '.join(mod.isa_paths())} "
+          f"({cached_path()[1]}); skinny_linear up to rows {rows}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

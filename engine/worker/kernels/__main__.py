@@ -1,3 +1,0 @@
-from engine.worker.kernels import main
-
-raise SystemExit(main())
