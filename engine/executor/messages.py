@@ -13,7 +13,8 @@ import msgspec
 
 from engine.executor.shm_broadcast import RingHandle
 from engine.kv_connector import KVCacheSpec
-from engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine.runner_output import ModelRunnerOutput
+from engine.sched.output import SchedulerOutput
 
 ALL_RANKS = -1
 

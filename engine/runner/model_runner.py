@@ -21,7 +21,8 @@ from engine.protocol import SamplingParams
 from engine.runner.attention import AttentionMetadata, PagedAttention, SeqSpan
 from engine.runner.huge_pages import alloc_kv_cache, weights_on_huge_pages
 from engine.runner.sampler import Sampler, build_sampling_metadata
-from engine.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from engine.runner_output import ModelRunnerOutput
+from engine.sched.output import NewRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

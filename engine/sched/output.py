@@ -1,4 +1,5 @@
-"""What the scheduler hands the model runner each step, and what comes back.
+"""What the scheduler hands the model runner each step (what comes back, `ModelRunnerOutput`,
+is in engine/runner_output.py).
 
 New requests travel whole (`NewRequestData`); requests the runner already holds travel as
 deltas (`CachedRequestData`: only newly allocated blocks and the computed-token count).
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.protocol import Logprobs, SamplingParams
+from engine.protocol import SamplingParams
 
 
 @dataclass
@@ -45,19 +46,3 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
-
-
-@dataclass
-class ModelRunnerOutput:
-    """One entry per scheduled request, in `req_ids` order.
-
-    `sampled_token_ids[i]` is empty when request i only computed part of its prompt.
-    """
-
-    req_ids: list[str]
-    sampled_token_ids: list[list[int]]
-    logprobs: list[Logprobs | None] = field(default_factory=list)
-    kv_connector_output: Any = None
-
-
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -27,13 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.protocol import EngineCoreOutput, FinishReason, Logprobs, SchedulerStats
+from engine.runner_output import ModelRunnerOutput
 from engine.sched.kv_cache_manager import KVCacheManager
-from engine.sched.output import (
-    CachedRequestData,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.sched.remote_kv import RemoteKVState, clamp_external_tokens
 from engine.sched.request import Request, RequestStatus
 from engine.sched.stop import check_stop

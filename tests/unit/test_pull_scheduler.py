@@ -10,7 +10,7 @@ import pytest
 from engine.config import KVTransferConfig
 from engine.kv_connector import KVCacheSpec, KVConnectorOutput
 from engine.protocol import FinishReason, SamplingParams
-from engine.sched.output import ModelRunnerOutput
+from engine.runner_output import ModelRunnerOutput
 from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import Scheduler
 from kvconnector import wire

@@ -13,7 +13,7 @@ import pytest
 from engine.config import KVTransferConfig
 from engine.kv_connector import KVCacheSpec, kv_params_validator
 from engine.protocol import SamplingParams
-from engine.sched.output import ModelRunnerOutput
+from engine.runner_output import ModelRunnerOutput
 from engine.sched.request import Request
 from engine.sched.scheduler import Scheduler
 from kvconnector.pull import signing

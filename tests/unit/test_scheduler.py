@@ -15,7 +15,8 @@ import pytest
 
 from engine.kv_connector import KVConnectorOutput
 from engine.protocol import FinishReason, SamplingParams
-from engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine.runner_output import ModelRunnerOutput
+from engine.sched.output import SchedulerOutput
 from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import Scheduler
 
