@@ -3,54 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from engine.connector_registry import spec_for
+from engine.kv_transfer_config import KVTransferConfig
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-
-
-@dataclass(frozen=True)
-class KVTransferConfig:
-    """Same shape users know from vLLM's --kv-transfer-config."""
-
-    kv_connector: str
-    kv_role: str = "kv_both"
-    engine_id: str = ""
-    kv_host: str = "127.0.0.1"
-    kv_port: int = 0
-    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.kv_role not in _ROLES:
-            raise ValueError(f"kv_role must be one of {_ROLES}, got {self.kv_role!r}")
-        if not isinstance(self.kv_connector_extra_config, dict):
-            raise ValueError("kv_connector_extra_config must be a JSON object")
-
-    @classmethod
-    def from_json(cls, text: str | dict | None) -> KVTransferConfig | None:
-        if text is None or text == "":
-            return None
-        data = json.loads(text) if isinstance(text, str) else dict(text)
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"unknown kv-transfer-config field(s): {', '.join(unknown)}")
-        if "kv_connector" not in data:
-            raise ValueError("kv-transfer-config needs kv_connector")
-        return cls(**data)
-
-    def extra(self, key: str, default: Any) -> Any:
-        return self.kv_connector_extra_config.get(key, default)
-
-    @property
-    def is_producer(self) -> bool:
-        return self.kv_role in ("kv_producer", "kv_both")
-
-    @property
-    def is_consumer(self) -> bool:
-        return self.kv_role in ("kv_consumer", "kv_both")
 
 
 @dataclass(frozen=True)
@@ -76,7 +35,7 @@ class EngineConfig:
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
     kv_transfer_config: KVTransferConfig | None = None
-    # Data parallel (engine/dp/config.py validates): engines per server, this server's rank
+    # Data parallel (engine/dp/ runs it): engines per server, this server's rank
     # behind an external balancer, and whether engines must step in lockstep (waves).
     data_parallel_size: int = 1
     data_parallel_rank: int | None = None
@@ -121,23 +80,10 @@ class EngineConfig:
             object.__setattr__(
                 self, "kv_transfer_config", KVTransferConfig.from_json(self.kv_transfer_config)
             )
-        kv = self.kv_transfer_config
-        if self.tensor_parallel_size > 1 and kv is not None:
-            if kv.kv_connector != "NixlPushConnector":
-                raise ValueError(f"{kv.kv_connector} (pull mode) with tensor_parallel_size > 1 "
-                                 "is not supported yet; use NixlPushConnector (push mode)")
-            if not kv.kv_port:
-                raise ValueError("P/D with tensor_parallel_size > 1 needs an explicit kv_port "
-                                 "(rank r serves its side channel at kv_port + r)")
-            if not kv.engine_id:
-                raise ValueError("P/D with tensor_parallel_size > 1 needs an explicit engine_id "
-                                 "(every rank's NIXL agent is named <engine_id>-tp<rank>)")
-        if self.tensor_parallel_size > 1 and self.data_parallel_size > 1 and kv is not None:
-            raise ValueError("P/D with both tensor_parallel_size > 1 and data_parallel_size > 1 "
-                             "is not supported yet (both put ranks at kv_port + rank)")
-        from engine.dp.config import validate_dp
-
-        validate_dp(self)
+        _validate_dp(self)
+        spec = spec_for(self)  # an unknown connector is a ValueError naming the known ones
+        if spec is not None:
+            spec.validate(self)  # its own rules (tensor/data parallel, ports, engine id)
 
     def resolved_max_model_len(self, max_position_embeddings: int) -> int:
         """The context limit: --max-model-len, capped by what the model's positions allow."""
@@ -161,3 +107,23 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(model=model, **kwargs)
+
+
+def _validate_dp(config: EngineConfig) -> None:
+    """The data-parallel settings (engine/dp/: the rest of data parallel)."""
+    size, rank = config.data_parallel_size, config.data_parallel_rank
+    if size < 1:
+        raise ValueError(f"data_parallel_size must be at least 1, got {size}")
+    if rank is not None and not 0 <= rank < size:
+        raise ValueError(f"data_parallel_rank {rank} is out of range for "
+                         f"data_parallel_size {size}")
+    if config.data_parallel_external_lb:
+        if rank is None:
+            raise ValueError("data_parallel_external_lb needs data_parallel_rank (the rank "
+                             "this server runs)")
+        if config.data_parallel_lockstep:
+            raise ValueError("data_parallel_lockstep is not supported with "
+                             "data_parallel_external_lb")
+        return
+    if config.data_parallel_lockstep and size < 2:
+        raise ValueError("data_parallel_lockstep needs data_parallel_size > 1")

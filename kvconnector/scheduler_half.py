@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from engine.config import EngineConfig
-from engine.kv_connector import (
+from engine.connector_api import (
     ConnectorRequest,
     KVCacheSpec,
     KVConnectorOutput,

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.kv_connector import KVConnectorOutput
+from engine.connector_api import KVConnectorOutput
 from kvconnector import wire
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 
 from engine.config import EngineConfig
-from engine.kv_connector import KVCacheSpec, KVConnectorOutput, KVConnectorWorker
+from engine.connector_api import KVCacheSpec, KVConnectorOutput, KVConnectorWorker
 from engine.models.arch import load_arch
 from kvconnector.endpoint import Endpoint
 from kvconnector.handshake import (

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
-from engine.kv_connector import make_connector, make_scheduler_half
+from engine.connector_registry import make_connector, make_scheduler_half
 from engine.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,

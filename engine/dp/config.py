@@ -1,34 +1,13 @@
-"""Validation of the data-parallel settings and the config each rank's engine gets."""
+"""Data parallel: the ranks a server runs, the config each rank's engine gets, and the rank a
+request runs on. (`EngineConfig` validates the data-parallel settings themselves.)"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvconnector.params import PREFILL_FLAG
-
-if TYPE_CHECKING:
-    from engine.config import EngineConfig
-
-
-
-def validate_dp(config: EngineConfig) -> None:
-    size, rank = config.data_parallel_size, config.data_parallel_rank
-    if size < 1:
-        raise ValueError(f"data_parallel_size must be at least 1, got {size}")
-    if rank is not None and not 0 <= rank < size:
-        raise ValueError(f"data_parallel_rank {rank} is out of range for "
-                         f"data_parallel_size {size}")
-    if config.data_parallel_external_lb:
-        if rank is None:
-            raise ValueError("data_parallel_external_lb needs data_parallel_rank (the rank "
-                             "this server runs)")
-        if config.data_parallel_lockstep:
-            raise ValueError("data_parallel_lockstep is not supported with "
-                             "data_parallel_external_lb")
-        return
-    if config.data_parallel_lockstep and size < 2:
-        raise ValueError("data_parallel_lockstep needs data_parallel_size > 1")
+from engine.config import EngineConfig
+from engine.connector_registry import spec_for
 
 
 def uses_dp_client(config: EngineConfig) -> bool:
@@ -45,27 +24,28 @@ def local_ranks(config: EngineConfig) -> list[int]:
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     """The config of rank `rank`'s engine: its rank set, a given KV engine id suffixed
-    `_dp<rank>` and a given side-channel port moved up by the rank, so every rank's side
-    channel and NIXL agent has its own identity and address (an external-LB server runs
-    one rank: its port stays)."""
+    `_dp<rank>` and a given side-channel port moved to the rank's own (the connector's port
+    layout: its tensor-parallel ranks follow it), so every rank's side channel and NIXL agent
+    has its own identity and address (an external-LB server runs one rank: its port stays)."""
     kv = config.kv_transfer_config
-    if kv is not None and config.data_parallel_size > 1:
+    spec = spec_for(config)
+    if kv is not None and spec is not None and config.data_parallel_size > 1:
         shift = kv.kv_port and not config.data_parallel_external_lb
+        port = (spec.side_channel_port(kv.kv_port, rank, 0, config.tensor_parallel_size)
+                if shift else kv.kv_port)
         kv = dataclasses.replace(
-            kv, engine_id=f"{kv.engine_id}_dp{rank}" if kv.engine_id else "",
-            kv_port=kv.kv_port + rank if shift else kv.kv_port)
+            kv, engine_id=f"{kv.engine_id}_dp{rank}" if kv.engine_id else "", kv_port=port)
     return dataclasses.replace(config, data_parallel_rank=rank, kv_transfer_config=kv)
 
 
 def default_request_rank(config: EngineConfig, kv_transfer_params: Any) -> int | None:
-    """The rank an unpinned request must run on, None when the balancer may pick. A push-mode
-    prefill leg (`do_remote_decode`) goes to rank 0 — the rank the top level of
+    """The rank an unpinned request must run on, None when the balancer may pick. A prefill
+    leg of a connector that pins them goes to rank 0 — the rank the top level of
     /kv_transfer/info names, so a rank-unaware proxy that sent D there gets a P that writes;
     a rank-aware proxy pins the rank it named in D's leg (design §9)."""
-    kv = config.kv_transfer_config
-    if (kv is None or kv.kv_connector != "NixlPushConnector" or not uses_dp_client(config)
-            or not isinstance(kv_transfer_params, dict)
-            or kv_transfer_params.get(PREFILL_FLAG) is not True):
+    spec = spec_for(config)
+    if (spec is None or not spec.pins_prefill_leg or not uses_dp_client(config)
+            or not spec.is_prefill_leg(kv_transfer_params)):
         return None
     return 0
 

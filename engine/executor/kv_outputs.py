@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from engine.kv_connector import KVConnectorOutput, KVConnectorWorker
+from engine.connector_api import KVConnectorOutput, KVConnectorWorker
 
 
 class KVOutputAggregator:

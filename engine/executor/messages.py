@@ -11,8 +11,8 @@ from typing import Any
 
 import msgspec
 
+from engine.connector_api import KVCacheSpec
 from engine.executor.shm_broadcast import RingHandle
-from engine.kv_connector import KVCacheSpec
 from engine.runner_output import ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
 

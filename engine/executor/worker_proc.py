@@ -32,9 +32,10 @@ import torch.distributed as dist
 
 from engine import stackdump
 from engine.config import EngineConfig
+from engine.connector_api import KVCacheSpec
+from engine.connector_registry import make_worker_half
 from engine.executor import messages as m
 from engine.executor.shm_broadcast import RingGone, RingHandle, ShmReader, ShmWriter
-from engine.kv_connector import KVCacheSpec, make_worker_half
 from engine.models.parallel import Collectives
 from engine.startup import StartupWatch, freeze_startup_objects, heartbeat_interval
 

@@ -28,6 +28,7 @@ from engine.client import make_client
 from engine.client.async_mp_client import cancel_task
 from engine.client.base import AsyncEngineCoreClient, EngineDeadError
 from engine.config import EngineConfig
+from engine.connector_registry import kv_params_validator
 from engine.dp.config import check_request_rank
 from engine.frontend.input_processor import (
     InputProcessor,
@@ -40,7 +41,6 @@ from engine.frontend.output_processor import (
     RequestOutputCollector,
 )
 from engine.frontend.outputs import RequestOutput
-from engine.kv_connector import kv_params_validator
 from engine.models.arch import load_arch
 from engine.models.tokenizer import Tokenizer
 from engine.protocol import EngineCoreOutputs, SamplingParams

@@ -9,11 +9,11 @@ import msgspec
 
 from engine.client.base import SyncEngineCoreClient
 from engine.config import EngineConfig
+from engine.connector_registry import kv_params_validator
 from engine.dp.config import check_request_rank
 from engine.frontend.input_processor import InputProcessor
 from engine.frontend.output_processor import OutputProcessor, ParentRequest
 from engine.frontend.outputs import RequestOutput
-from engine.kv_connector import kv_params_validator
 from engine.models import load_arch
 from engine.models.tokenizer import Tokenizer
 from engine.protocol import SamplingParams

@@ -14,7 +14,7 @@ import torch
 
 from engine import kernels
 from engine.config import EngineConfig
-from engine.kv_connector import KVCacheSpec, KVConnectorWorker
+from engine.connector_api import KVCacheSpec, KVConnectorWorker
 from engine.models import load_arch, load_model
 from engine.models.parallel import Collectives
 from engine.protocol import SamplingParams

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 
 from engine.config import EngineConfig
-from engine.kv_connector import KVCacheSpec
+from engine.connector_api import KVCacheSpec
 from kvconnector.endpoint import Endpoint
 from kvconnector.nixl import NixlTransport
 from kvconnector.peers import Peers
@@ -47,6 +47,6 @@ class PullWorker(NixlWorker):
 
 
 def make(config: EngineConfig, spec: KVCacheSpec) -> tuple[PullScheduler, PullWorker]:
-    """Both halves of one engine's connector (`engine.kv_connector.make_connector`)."""
+    """Both halves of one engine's connector (`engine.connector_registry.make_connector`)."""
     endpoint = Endpoint.from_config(config.kv_transfer_config)
     return PullScheduler(config, spec, endpoint=endpoint), PullWorker(config, spec, endpoint)

@@ -52,7 +52,7 @@ def validate_request_params(params: Any) -> KVParams | None:
 
 def request_params_validator(config: Any, wall_clock: Callable[[], float] = time.time
                              ) -> RequestParamsValidator:
-    """The frontend's admission check for this engine (`engine.kv_connector` calls it once):
+    """The frontend's admission check for this engine (`engine.connector_registry` calls it once):
     field types, and with a KV secret P's signature over the params, for this prompt, within
     P's lease. ValueError naming the field → HTTP 400 before the request reaches the core."""
     security = KVSecurity.from_config(config.kv_transfer_config, warn=False)

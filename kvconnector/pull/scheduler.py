@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.kv_connector import KVCacheSpec
+from engine.connector_api import KVCacheSpec
 from kvconnector.endpoint import Endpoint
 from kvconnector.params import KVParams, PrefillLeg, PullDecodeLeg
 from kvconnector.pull import signing

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.kv_connector import KVCacheSpec
+from engine.connector_api import KVCacheSpec
 from engine.models.arch import load_arch
 from kvconnector.endpoint import Endpoint
 from kvconnector.nixl import NixlTransport
@@ -83,7 +83,7 @@ class PushWorker(NixlWorker):
 
 
 def make(config: EngineConfig, spec: KVCacheSpec) -> tuple[PushScheduler, PushWorker]:
-    """Both halves of one engine's connector (`engine.kv_connector.make_connector`)."""
+    """Both halves of one engine's connector (`engine.connector_registry.make_connector`)."""
     endpoint = Endpoint.from_config(config.kv_transfer_config)
     return PushScheduler(config, spec), PushWorker(config, spec, endpoint)
 

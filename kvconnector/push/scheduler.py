@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.kv_connector import KVCacheSpec
+from engine.connector_api import KVCacheSpec
 from kvconnector.params import KVParams, PrefillLeg, PushDecodeLeg, decode
 from kvconnector.push.meta import FinishedBlocks, PushMeta, Queued, Registration
 from kvconnector.scheduler_half import TransferRequest, TransferScheduler

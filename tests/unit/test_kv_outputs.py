@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from engine.config import KVTransferConfig
+from engine.connector_api import KVCacheSpec, KVConnectorOutput
 from engine.executor.kv_outputs import KVOutputAggregator, TPConnectorView
-from engine.kv_connector import KVCacheSpec, KVConnectorOutput
+from engine.kv_transfer_config import KVTransferConfig
 from kvconnector.push.scheduler import PushScheduler
 
 

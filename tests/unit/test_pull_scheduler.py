@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.config import KVTransferConfig
-from engine.kv_connector import KVCacheSpec, KVConnectorOutput
+from engine.connector_api import KVCacheSpec, KVConnectorOutput
+from engine.kv_transfer_config import KVTransferConfig
 from engine.protocol import FinishReason, SamplingParams
 from engine.runner_output import ModelRunnerOutput
 from engine.sched.request import Request, RequestStatus

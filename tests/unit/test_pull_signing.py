@@ -10,8 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.config import KVTransferConfig
-from engine.kv_connector import KVCacheSpec, kv_params_validator
+from engine.connector_api import KVCacheSpec
+from engine.connector_registry import kv_params_validator
+from engine.kv_transfer_config import KVTransferConfig
 from engine.protocol import SamplingParams
 from engine.runner_output import ModelRunnerOutput
 from engine.sched.request import Request
@@ -120,7 +121,7 @@ def test_the_tag_is_bound_to_pull_params_not_reusable_as_another_mac():
     assert SEC.mac(*parts[1:]).hex() != signing.sign(SEC, unsigned)
 
 
-# ---- the frontend validator (engine.kv_connector hook) -----------------------------------
+# ---- the frontend validator (engine.connector_registry hook) -----------------------------------
 
 
 def _config(extra: dict) -> SimpleNamespace:

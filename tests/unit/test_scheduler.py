@@ -13,7 +13,7 @@ import zlib
 
 import pytest
 
-from engine.kv_connector import KVConnectorOutput
+from engine.connector_api import KVConnectorOutput
 from engine.protocol import FinishReason, SamplingParams
 from engine.runner_output import ModelRunnerOutput
 from engine.sched.output import SchedulerOutput

@@ -1,0 +1,35 @@
+"""NixlConnector's spec: D reads from P (entry point `pdserve.connectors`)."""
+
+from __future__ import annotations
+
+from engine.connector_api import (
+    ConnectorConfig,
+    KVCacheSpec,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    KVParamsValidator,
+)
+from kvconnector.spec import NixlSpec
+
+
+class PullSpec(NixlSpec):
+    name = "NixlConnector"
+
+    def validate(self, config: ConnectorConfig) -> None:
+        if config.tensor_parallel_size > 1:
+            raise ValueError(f"{self.name} (pull mode) with tensor_parallel_size > 1 is not "
+                             "supported yet; use NixlPushConnector (push mode)")
+
+    def params_validator(self, config: ConnectorConfig) -> KVParamsValidator | None:
+        from kvconnector.pull.params import request_params_validator
+
+        return request_params_validator(config)
+
+    def make(self, config: ConnectorConfig, cache: KVCacheSpec
+             ) -> tuple[KVConnectorScheduler, KVConnectorWorker]:
+        from kvconnector.pull.connector import make
+
+        return make(config, cache)  # type: ignore[arg-type]
+
+
+SPEC = PullSpec()
