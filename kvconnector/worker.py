@@ -26,7 +26,7 @@ import msgspec
 from engine.config import EngineConfig
 from engine.connector_api import KVCacheSpec, KVConnectorOutput, KVConnectorWorker
 from engine.models.arch import load_arch
-from kvconnector.endpoint import Endpoint
+from kvconnector.endpoint import Endpoint, side_channel_port
 from kvconnector.handshake import (
     RefusedHandshakes,
     SideChannelServer,
@@ -58,11 +58,11 @@ class NixlWorker(KVConnectorWorker):
         self.spec = spec
         self.endpoint = endpoint or Endpoint.from_config(kv)
         # Tensor parallel (docs/design.md §8): rank r of N owns agent <engine_id>-tp<r> and
-        # serves its side channel at kv_port + r; its peers are the same rank of the other side.
+        # serves its side channel at its rank's place in the port layout (kv_port: this DP
+        # rank's own); its peers are the same rank of the other side.
         self.tp_rank = tp_rank
         self.tp_size = config.tensor_parallel_size
-        if tp_rank:
-            self.endpoint.port += tp_rank
+        self.endpoint.port = side_channel_port(self.endpoint.port, 0, tp_rank, self.tp_size)
         self.lease = float(kv.extra("kv_lease_duration", 30.0))
         self.ttl = float(kv.extra("push_registration_timeout", 480.0))
         self.hb_interval = float(kv.extra("heartbeat_interval", self.lease / 6))

@@ -36,8 +36,12 @@ def role_kv_config(args: argparse.Namespace, role: str) -> str:
     extra = dict(base.get("kv_connector_extra_config", {}))
     if args.kv_extra_config:
         extra.update(json.loads(args.kv_extra_config))
+    # every rank's side channel: data-parallel rank d's tensor-parallel rank t at
+    # kv_port + d * tp + t (an external-LB server runs one DP rank)
     tp = getattr(args, "tensor_parallel_size", None) or 1
-    port = base.get("kv_port") or args.kv_port or free_port(args.kv_host, count=tp)
+    dp = 1 if getattr(args, "data_parallel_external_lb", None) else (
+        getattr(args, "data_parallel_size", None) or 1)
+    port = base.get("kv_port") or args.kv_port or free_port(args.kv_host, count=tp * dp)
     config = {
         "kv_connector": base.get("kv_connector", args.kv_connector),
         "kv_role": base.get("kv_role", "kv_producer" if role == "prefill" else "kv_consumer"),

@@ -28,7 +28,7 @@ from engine.client import make_client
 from engine.client.async_mp_client import cancel_task
 from engine.client.base import AsyncEngineCoreClient, EngineDeadError
 from engine.config import EngineConfig
-from engine.connector_registry import kv_params_validator
+from engine.connector_registry import kv_params_validator, spec_for
 from engine.dp.config import check_request_rank
 from engine.frontend.input_processor import (
     InputProcessor,
@@ -154,7 +154,8 @@ class AsyncLLM:
         if params.n == 1:
             parent, children = None, [request]
         else:
-            parent = ParentRequest(request, external_req_id=request_id)
+            parent = ParentRequest(request, external_req_id=request_id,
+                                   kv_spec=spec_for(self.config))
             children = parent.fan_out()
         for index, child in enumerate(children):
             self.output_processor.add_request(child, prompt_text, parent, index,

@@ -9,7 +9,7 @@ import msgspec
 
 from engine.client.base import SyncEngineCoreClient
 from engine.config import EngineConfig
-from engine.connector_registry import kv_params_validator
+from engine.connector_registry import kv_params_validator, spec_for
 from engine.dp.config import check_request_rank
 from engine.frontend.input_processor import InputProcessor
 from engine.frontend.output_processor import OutputProcessor, ParentRequest
@@ -64,7 +64,8 @@ class LLMEngine:
         if params.n == 1:
             children, parent = [request], None
         else:
-            parent = ParentRequest(request, external_req_id=request_id)
+            parent = ParentRequest(request, external_req_id=request_id,
+                                   kv_spec=spec_for(self.config))
             children = parent.fan_out()
         for index, child in enumerate(children):
             self.output_processor.add_request(

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from engine.connector_api import ConnectorSpec
 from engine.frontend.input_processor import external_request_id
 from engine.frontend.outputs import CompletionOutput
 from engine.protocol import EngineCoreRequest, RequestOutputKind
@@ -26,8 +27,10 @@ def child_request_id(index: int, parent_request_id: str) -> str:
 
 
 class ParentRequest:
-    def __init__(self, request: EngineCoreRequest, external_req_id: str | None = None) -> None:
+    def __init__(self, request: EngineCoreRequest, external_req_id: str | None = None,
+                 kv_spec: ConnectorSpec | None = None) -> None:
         self.request = request
+        self.kv_spec = kv_spec  # the connector's rule for each child's kv_transfer_params
         self.request_id = request.request_id  # internal id of the user request
         self.external_req_id = external_req_id or external_request_id(request.request_id)
         self.params = request.sampling_params
@@ -51,10 +54,8 @@ class ParentRequest:
         seed = None if p.seed is None else p.seed + index
         params = msgspec.structs.replace(p, n=1, seed=seed)
         kv = self.request.kv_transfer_params
-        if index > 0 and kv and kv.get("do_remote_prefill"):
-            # One prefill leg serves one sequence: only child 0 receives P's KV; the
-            # others prefill locally rather than wait on a transfer that never comes.
-            kv = None
+        if kv is not None and self.kv_spec is not None:
+            kv = self.kv_spec.sample_params(kv, index)
         return msgspec.structs.replace(
             self.request, request_id=self.child_ids[index], sampling_params=params,
             kv_transfer_params=kv,

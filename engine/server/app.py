@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.client.base import EngineDeadError
+from engine.connector_api import ConnectorSpec
 from engine.server.chat import create_chat_completion, render_chat_prompt
 from engine.server.completions import create_completion
 from engine.server.errors import APIError, dead_engine_error, install_error_handlers
@@ -45,6 +46,7 @@ class ServerSettings:
     public_metrics: bool = False  # /metrics without the API key
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     kv_transfer_info: dict[str, Any] | None = None  # None → GET /kv_transfer/info is 404
+    kv_spec: ConnectorSpec | None = None  # the engine's connector, None: no connector
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes < 1024:
@@ -85,6 +87,7 @@ def build_app(
         max_model_len=getattr(engine, "max_model_len", None),
         tokenizer=engine.tokenizer,
         metrics=app.state.metrics,
+        kv_spec=settings.kv_spec,
     )
     app.state.ctx = ctx
     install_error_handlers(app)

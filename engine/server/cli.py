@@ -26,6 +26,7 @@ import uvloop
 
 from engine import stackdump
 from engine.config import EngineConfig
+from engine.connector_registry import spec_for
 from engine.dp.config import local_ranks, rank_config
 from engine.server.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
 from engine.server.metrics import ServerMetrics
@@ -75,7 +76,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     add_dp_args(parser)
     parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
-                        help='e.g. \'{"kv_connector": "NixlPushConnector", "kv_role": …}\'')
+                        help='e.g. \'{"kv_connector": NAME, "kv_role": …}\' (NAME: '
+                             'a registered connector)')
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--kv-secret", default=None,
                         help="shared secret of the KV path (or PDSERVE_KV_SECRET); see "
@@ -173,20 +175,26 @@ def kv_transfer_info(config: EngineConfig) -> dict[str, Any] | None:
     kv = config.kv_transfer_config
     if kv is None:
         return None
+    spec = spec_for(config)
+    assert spec is not None
+    tp_size = config.tensor_parallel_size
     ranks = _dp_rank_configs(config)
     first = ranks[0].kv_transfer_config
+
+    def tp_ports(rank_port: int) -> list[int]:  # the connector's layout below a DP rank's port
+        return [spec.side_channel_port(rank_port, 0, t, tp_size) for t in range(tp_size)]
+
     info = {
         "engine_id": first.engine_id, "kv_host": first.kv_host, "kv_port": first.kv_port,
-        "tp_size": config.tensor_parallel_size, "block_size": config.block_size,
-        # rank r's side channel (docs/design.md §8); [kv_port] at TP 1
-        "kv_ports": [kv.kv_port + r if kv.kv_port else 0
-                     for r in range(config.tensor_parallel_size)],
+        "tp_size": tp_size, "block_size": config.block_size,
+        "kv_ports": tp_ports(first.kv_port),  # TP rank r's side channel; [kv_port] at TP 1
         "kv_role": kv.kv_role, "kv_connector": kv.kv_connector,
     }
-    if len(ranks) > 1:  # data parallel: every rank's own side channel (top level: rank 0)
+    if len(ranks) > 1:  # data parallel: every rank's own side channels (top level: rank 0)
         info["data_parallel_ranks"] = [
             {"rank": r.data_parallel_rank, "engine_id": r.kv_transfer_config.engine_id,
-             "kv_host": r.kv_transfer_config.kv_host, "kv_port": r.kv_transfer_config.kv_port}
+             "kv_host": r.kv_transfer_config.kv_host, "kv_port": r.kv_transfer_config.kv_port,
+             "kv_ports": tp_ports(r.kv_transfer_config.kv_port)}
             for r in ranks]
     return info
 
@@ -199,30 +207,32 @@ def _dp_rank_configs(config: EngineConfig) -> list[EngineConfig]:
 
 
 def check_side_channel_ports(config: EngineConfig) -> None:
-    """With a given --kv-port, every rank's side channel (data-parallel rank d at kv_port + d,
-    its tensor-parallel rank t at + t) must be able to bind now: a taken one is a ValueError
-    naming the port and the rank, before any engine starts (not an engine core's bind error
-    after its siblings started)."""
+    """With a given --kv-port, every rank's side channel (where the connector's port layout
+    puts data-parallel rank d's tensor-parallel rank t) must be able to bind now: a taken one
+    is a ValueError naming the port and the rank, before any engine starts (not an engine
+    core's bind error after its siblings started)."""
     kv = config.kv_transfer_config
-    if kv is None or not kv.kv_port:
+    spec = spec_for(config)
+    if kv is None or spec is None or not kv.kv_port:
         return  # ephemeral ports: chosen free by each side channel
+    tp_size = config.tensor_parallel_size
     ranks = _dp_rank_configs(config)
     for rank in ranks:
         rkv = rank.kv_transfer_config
         assert rkv is not None
-        for tp_rank in range(config.tensor_parallel_size):
-            port = rkv.kv_port + tp_rank
+        for tp_rank in range(tp_size):
+            port = spec.side_channel_port(rkv.kv_port, 0, tp_rank, tp_size)
             try:
                 bind_socket(rkv.kv_host, port).close()
             except OSError as exc:
                 who = ([f"data-parallel rank {rank.data_parallel_rank}"] if len(ranks) > 1
-                       else []) + ([f"tensor-parallel rank {tp_rank}"]
-                                   if config.tensor_parallel_size > 1 else [])
+                       else []) + ([f"tensor-parallel rank {tp_rank}"] if tp_size > 1 else [])
                 raise ValueError(
                     f"{', '.join(who) or 'the engine'}: KV side-channel port {port} on "
                     f"{rkv.kv_host} cannot be bound ({exc.strerror or exc}); --kv-port "
-                    f"{kv.kv_port} puts each rank's side channel at kv_port + rank: free the "
-                    "port or choose another --kv-port") from None
+                    f"{kv.kv_port} puts each rank's side channel at kv_port + data-parallel "
+                    "rank * tensor_parallel_size + tensor-parallel rank: free the port or "
+                    "choose another --kv-port") from None
 
 
 def serve_main(args: argparse.Namespace, *, role_defaults: Mapping[str, Any] | None = None
@@ -239,7 +249,8 @@ def serve_main(args: argparse.Namespace, *, role_defaults: Mapping[str, Any] | N
         check_side_channel_ports(config)
         settings = ServerSettings(api_key=args.api_key, public_metrics=args.public_metrics,
                                   max_request_body_bytes=args.max_request_body_bytes,
-                                  kv_transfer_info=kv_transfer_info(config))
+                                  kv_transfer_info=kv_transfer_info(config),
+                                  kv_spec=spec_for(config))
         if args.drain_timeout < 0:
             raise ValueError("--drain-timeout must be non-negative")
     except ValueError as exc:

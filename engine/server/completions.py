@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.connector_registry import prompt_kv_params
 from engine.server.errors import APIError, request_failed_error
 from engine.server.logprobs import (
     TokenText,
@@ -44,20 +45,6 @@ from engine.server.serving import (
 CLIENT_CLOSED = 499
 
 
-def _per_prompt_kv(kv: Any, index: int, num_prompts: int) -> Any:
-    """Each prompt of a list is its own transfer: P and D derive the same transfer_id for
-    prompt i, so a registration can never be paired with another prompt's blocks. A D leg that
-    names P's blocks (pull) is P's answer for the first prompt; the others compute their own
-    prompt (with a KV secret, D refuses params signed for another prompt with a 400)."""
-    if num_prompts == 1 or not isinstance(kv, dict):
-        return kv
-    if kv.get("do_remote_prefill") and "remote_block_ids" in kv:
-        return kv if index == 0 else None
-    if not isinstance(kv.get("transfer_id"), str):
-        return kv
-    return {**kv, "transfer_id": f"{kv['transfer_id']}#{index}"}
-
-
 def _engine_prompt(p: str | list[int]) -> Any:
     return p if isinstance(p, str) else {"prompt_token_ids": p}
 
@@ -82,7 +69,8 @@ async def create_completion(
     ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
     streams = [
         engine_stream(ctx, _engine_prompt(p), params, i,
-                      _per_prompt_kv(body.kv_transfer_params, index, len(prompts)),
+                      prompt_kv_params(ctx.kv_spec, body.kv_transfer_params, index,
+                                       len(prompts)),
                       body.data_parallel_rank)
         for index, (p, i) in enumerate(zip(prompts, ids, strict=True))
     ]

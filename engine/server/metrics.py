@@ -22,42 +22,11 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from engine.connector_registry import transfer_metrics
 from engine.protocol import SchedulerStats
 
 PREFIX = "pdserve:"
 
-# Transfer metrics the connectors report in SchedulerStats.kv_connector (cumulative values;
-# keys may carry the "pdserve:" prefix or not).
-TRANSFER_COUNTERS: dict[str, str] = {
-    "kv_push_registrations_sent_total": "Push registrations D sent to P.",
-    "kv_push_registrations_received_total": "Push registrations P received from D.",
-    "kv_push_writes_total": "KV WRITEs P completed into D's memory.",
-    "kv_push_write_failures_total": "KV WRITEs that failed.",
-    "kv_transfer_bytes_total": "Bytes of KV moved between engines.",
-    "kv_lease_expired_total": "P block leases that expired before a WRITE.",
-    "kv_registration_expired_total": "D registrations whose watchdog fired.",
-    "kv_recv_failed_total": "Requests whose remote KV could not be received.",
-    "kv_recompute_fallback_total": "Requests that fell back to computing the prompt locally.",
-    "kv_remote_prefill_tokens_total": "Prompt tokens D received instead of computing.",
-    "kv_push_fail_sent_total": "PUSH_FAIL notifications P sent (it will not write).",
-    "kv_push_digest_mismatch_total": "Push registrations P refused: their prompt digest differs "
-                                     "from the prompt P prefilled.",
-    "kv_malformed_notifs_total": "Malformed KV notifications counted and dropped.",
-    "kv_malformed_side_channel_total": "Malformed side-channel requests counted and dropped.",
-    "kv_side_channel_refused_total": "Side-channel requests refused (no or wrong proof of the "
-                                     "KV secret, stale nonce, address outside the allowlist).",
-    "kv_handshake_refused_total": "Handshakes with peers refused either way (secret, allowlist).",
-    "kv_refused_notifs_total": "KV notifications refused: not from the transfer's agent.",
-    "kv_refused_peers_total": "Peer agent blobs refused: name bound to another address that "
-                              "still serves it.",
-    "kv_push_unknown_transfer_total": "Push registrations P refused: no request on P carried "
-                                      "their transfer within push_unknown_transfer_timeout.",
-    "kv_pull_reads_total": "KV READs D completed from P (pull mode).",
-    "kv_pull_leases_total": "Block leases P granted for pull reads.",
-    "kv_pull_leases_returned_total": "Pull leases D returned to P.",
-    "kv_pull_refused_params_total": "Pull transfer params D refused (stale or mismatched).",
-}
-TRANSFER_SECONDS = "kv_transfer_seconds"
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -96,19 +65,22 @@ class _SnapshotCollector(Collector):
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
                     "kv_cache_usage", 0.0)
         yield gauge("num_free_kv_blocks", "Free KV cache blocks.", "num_free_blocks")
-        for name, doc in TRANSFER_COUNTERS.items():
+        # the connectors' own counters and summaries (their specs name them), cumulative
+        # values from SchedulerStats.kv_connector, keys with or without the prefix
+        counters, summaries = transfer_metrics()
+        for name, doc in counters.items():
             c = CounterMetricFamily(PREFIX + name.removesuffix("_total"), doc, labels=labels)
             for e in engines:
                 c.add_metric(e.label_values, float(e.connector.get(name, 0.0)))
             yield c
-        s = SummaryMetricFamily(PREFIX + TRANSFER_SECONDS,
-                                "Time spent moving KV between engines.", labels=labels)
-        for e in engines:
-            kv = e.connector
-            total = kv.get(TRANSFER_SECONDS + "_sum", kv.get(TRANSFER_SECONDS, 0.0))
-            count = kv.get(TRANSFER_SECONDS + "_count", kv.get("kv_push_writes_total", 0.0))
-            s.add_metric(e.label_values, count_value=float(count), sum_value=float(total))
-        yield s
+        for name, (doc, count_key) in summaries.items():
+            s = SummaryMetricFamily(PREFIX + name, doc, labels=labels)
+            for e in engines:
+                kv = e.connector
+                total = kv.get(name + "_sum", kv.get(name, 0.0))
+                count = kv.get(name + "_count", kv.get(count_key, 0.0))
+                s.add_metric(e.label_values, count_value=float(count), sum_value=float(total))
+            yield s
 
 
 class _EngineSeries:

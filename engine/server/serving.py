@@ -24,6 +24,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.client.base import EngineDeadError
+from engine.connector_api import ConnectorSpec
 from engine.frontend.input_processor import make_internal_request_id
 from engine.protocol import SamplingParams
 from engine.server.errors import APIError, dead_engine_error, error_body, from_value_error
@@ -43,6 +44,8 @@ class ServingContext:
     max_model_len: int | None
     tokenizer: Any
     metrics: Any = None
+    # the connector's spec (per-prompt kv_transfer_params of a list of prompts), None: none
+    kv_spec: ConnectorSpec | None = None
     active: set[str] = field(default_factory=set)  # internal engine request ids in flight
 
     def abort_all(self) -> int:

@@ -69,7 +69,7 @@ class PushWorker(NixlWorker):
                         stats=SenderStats(), num_blocks=transport.num_blocks,
                         tp_rank=self.tp_rank, unknown_timeout=self.unknown_timeout)
         # D's rank r registers with, and heartbeats, every P rank holding heads of rank r,
-        # at P's kv_port + that rank (docs/design.md §8)
+        # at that P rank's side channel (docs/design.md §8)
         identity = {"decode_engine_id": ep.engine_id, "decode_host": ep.host,
                     "decode_port": ep.port, "decode_tp_size": self.tp_size,
                     "decode_tp_rank": self.tp_rank}

@@ -20,12 +20,12 @@ refused (counted in `refused`, logged, dropped).
 
 Tensor parallelism (docs/design.md §8): this rank's heads come from every P rank holding some
 of them (`tp_layout.peer_ranks`: one when P is the same size or smaller, k when P is k times
-bigger), each at P's side channel `kv_port + p`. A request has one `Recv` per such P rank (a
-"part", keyed by (request id, P rank)), each its own machine: its own PUSH_REG, heartbeats,
-watchdog, cancel and ack. Towards the scheduler they are one request, as
-`KVOutputAggregator` combines ranks: the KV has landed when every part's WRITE completed; the
-first failure of any part fails the request (once); its blocks are freed once every part is
-SAFE and the request released.
+bigger), each at P rank p's side channel (`side_channel_port(kv_port, 0, p, …)`). A request
+has one `Recv` per such P rank (a "part", keyed by (request id, P rank)), each its own
+machine: its own PUSH_REG, heartbeats, watchdog, cancel and ack. Towards the scheduler they
+are one request, as `KVOutputAggregator` combines ranks: the KV has landed when every part's
+WRITE completed; the first failure of any part fails the request (once); its blocks are freed
+once every part is SAFE and the request released.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvconnector import wire
+from kvconnector.endpoint import side_channel_port
 from kvconnector.peers import ALIVE, GONE, Address, Peers
 from kvconnector.push.meta import Queued, Registration
 from kvconnector.tp_layout import peer_ranks
@@ -138,7 +139,8 @@ class Receiver:
         """(part, P rank's side channel) for each P rank holding heads of this rank."""
         ranks = peer_ranks(self.tp_rank, self.tp_size, remote_tp_size)
         self._p_ranks.update(ranks)
-        return [((rid, p), (host, port + p)) for p in ranks]
+        return [((rid, p), (host, side_channel_port(port, 0, p, remote_tp_size)))
+                for p in ranks]
 
     @property
     def waiting(self) -> set[str]:
