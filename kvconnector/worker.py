@@ -25,7 +25,7 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.connector_api import KVCacheSpec, KVConnectorOutput, KVConnectorWorker
-from engine.models.arch import load_arch
+from engine.models.formats import load_arch
 from kvconnector.endpoint import Endpoint, side_channel_port
 from kvconnector.handshake import (
     RefusedHandshakes,

@@ -41,8 +41,7 @@ from engine.frontend.output_processor import (
     RequestOutputCollector,
 )
 from engine.frontend.outputs import RequestOutput
-from engine.models.arch import load_arch
-from engine.models.tokenizer import Tokenizer
+from engine.models.formats import load_arch, load_tokenizer
 from engine.protocol import EngineCoreOutputs, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -62,7 +61,7 @@ class AsyncLLM:
     ) -> None:
         self.config = config
         self.model_name = config.model_name
-        self.tokenizer = Tokenizer.from_pretrained(config.model)
+        self.tokenizer = load_tokenizer(config.model)
         arch = load_arch(config.model)
         self.max_model_len = config.resolved_max_model_len(arch.max_position_embeddings)
         eos = arch.eos_token_ids[0] if arch.eos_token_ids else self.tokenizer.eos_token_id

@@ -14,8 +14,7 @@ from engine.dp.config import check_request_rank
 from engine.frontend.input_processor import InputProcessor
 from engine.frontend.output_processor import OutputProcessor, ParentRequest
 from engine.frontend.outputs import RequestOutput
-from engine.models import load_arch
-from engine.models.tokenizer import Tokenizer
+from engine.models import load_arch, load_tokenizer
 from engine.protocol import SamplingParams
 
 
@@ -34,7 +33,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, *, multiprocess: bool = False) -> None:
         self.config = config
-        self.tokenizer = Tokenizer.from_pretrained(config.model)
+        self.tokenizer = load_tokenizer(config.model)
         arch = load_arch(config.model)
         self.max_model_len = config.resolved_max_model_len(arch.max_position_embeddings)
         eos = arch.eos_token_ids[0] if arch.eos_token_ids else self.tokenizer.eos_token_id

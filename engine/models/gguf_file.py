@@ -1,8 +1,8 @@
 """A GGUF checkpoint: its metadata as plain values and the ModelArch it describes.
 
 The file is memory-mapped by our GGUFReader (engine.models.gguf_reader); nothing here reads
-tensor data. Only the llama
-architecture is served (SmolLM2, TinyLlama-style and Llama-family exports): any other
+tensor data. Only the GGUF architectures a model family names are served (engine/models/
+families/: llama, for SmolLM2, TinyLlama-style and Llama-family exports): any other
 `general.architecture`, a mixture of experts, partial rotary or rope scaling we do not implement
 fails here with a ValueError naming what the file holds, never later inside a forward.
 """
@@ -15,9 +15,9 @@ import struct
 from typing import Any
 
 from engine.models.arch import DEFAULT_ROPE_THETA, ModelArch, RopeConfig
+from engine.models.families import SUPPORTED_GGUF_ARCHITECTURES, gguf_family
 from engine.models.gguf_reader import GGUFReader
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 # Tensor types we dequantize (gguf.quants, checked against its quantize round trip in tests).
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
@@ -84,7 +84,8 @@ def gguf_arch(gf: GGUFFile) -> ModelArch:
     Raises ValueError naming the architecture for anything but llama, the tensors of a type we
     cannot dequantize, and the field for missing or unsupported hyper-parameters.
     """
-    if gf.architecture not in SUPPORTED_GGUF_ARCHITECTURES:
+    family = gguf_family(gf.architecture)
+    if family is None:
         raise ValueError(f"unsupported GGUF architecture {gf.architecture!r} in {gf.path} "
                          f"(supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})")
     if int(gf.arch_key("expert_count", 0) or 0) > 0:
@@ -107,7 +108,7 @@ def gguf_arch(gf: GGUFFile) -> ModelArch:
     bos = gf.get("tokenizer.ggml.bos_token_id")
     eos = gf.get("tokenizer.ggml.eos_token_id")
     return ModelArch(
-        architecture="LlamaForCausalLM",
+        architecture=family.architectures[0],
         hidden_size=hidden,
         num_layers=_positive_int(gf, "block_count"),
         num_heads=heads,

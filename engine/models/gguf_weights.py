@@ -13,43 +13,15 @@ kernel's layout); `unpermute_qk` undoes it so our rotate-half rope sees HF's wei
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import torch
 
 from engine.models.causal_lm import CausalLM
+from engine.models.families import family_of
 from engine.models.gguf_file import GGUFFile, check_tensor_types, open_gguf
 from engine.models.gguf_reader import TensorInfo
-from engine.models.weights import Slot, parameter_slots
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a llama GGUF tensor; None for names we do not know."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    return None
+from engine.models.slots import Slot
+from engine.models.weights import parameter_slots
 
 
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -79,6 +51,7 @@ def load_gguf_weights(model: CausalLM, path: str) -> None:
     """
     gf = open_gguf(path)
     check_tensor_types(gf)
+    hf_name = family_of(model.arch.architecture).gguf_name  # GGUF name -> HF name
     slots = parameter_slots(model)
     tied = model.arch.tie_word_embeddings
     unknown = [t.name for t in gf.reader.tensors if hf_name(t.name) is None]

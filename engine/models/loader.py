@@ -1,17 +1,19 @@
-"""Entry point of the model layer: read a local Hugging Face directory or GGUF file into a
-CausalLM."""
+"""Entry point of the model layer: read a local Hugging Face directory or GGUF file into the
+module its model family builds (engine/models/families/), through the format's readers
+(engine/models/formats.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.models.arch import ModelArch, load_arch
+from engine.models.arch import ModelArch
 from engine.models.causal_lm import CausalLM
+from engine.models.families import family_of
+from engine.models.formats import load_arch, load_weights
 from engine.models.parallel import Collectives
-from engine.models.source import is_gguf, resolve_model
-from engine.models.weights import load_weights
+from engine.models.source import resolve_model
 
-__all__ = ["CausalLM", "ModelArch", "load_arch", "load_model", "resolve_dtype"]
+__all__ = ["CausalLM", "ModelArch", "load_model", "resolve_dtype"]
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,12 +43,7 @@ def load_model(model_dir: str, dtype: str = "auto", device: str = "cpu", *,
     model_dir = resolve_model(model_dir)
     arch = load_arch(model_dir)
     torch_dtype = resolve_dtype(dtype, arch)
-    model = CausalLM(arch, torch_dtype, torch.device(device), tp_rank=tp_rank, tp_size=tp_size,
-                     comm=comm)
-    if is_gguf(model_dir):
-        from engine.models.gguf_weights import load_gguf_weights
-
-        load_gguf_weights(model, model_dir)
-    else:
-        load_weights(model, model_dir)
+    model = family_of(arch.architecture).build(arch, torch_dtype, torch.device(device),
+                                               tp_rank=tp_rank, tp_size=tp_size, comm=comm)
+    load_weights(model, model_dir)
     return model.eval()

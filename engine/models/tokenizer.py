@@ -1,5 +1,9 @@
 """Tokenizer over the `tokenizers` library, read from a Hugging Face model directory.
 
+Format-neutral past `from_dir`: a GGUF file's tokenizer is rebuilt by engine/models/
+gguf_tokenizer.py into this same class, and engine/models/formats.py `load_tokenizer` picks the
+reader for a MODEL argument.
+
 Reproduces what `transformers.AutoTokenizer` does for tokenizer.json-based models without
 importing transformers: special tokens from tokenizer_config.json, BOS/EOS insertion
 (`add_bos_token` / `add_eos_token` rebuild the post-processor when given explicitly; otherwise
@@ -101,19 +105,6 @@ class Tokenizer:
         if explicit or backend.post_processor is None:
             self._install_post_processor(bool(config.get("add_bos_token")),
                                          bool(config.get("add_eos_token")))
-
-    @classmethod
-    def from_pretrained(cls, model: str) -> Tokenizer:
-        """The tokenizer of a model directory or of a GGUF file (rebuilt from its metadata)."""
-        from engine.models.source import is_gguf, resolve_model
-
-        model = resolve_model(model)
-        if is_gguf(model):
-            from engine.models.gguf_file import open_gguf
-            from engine.models.gguf_tokenizer import gguf_tokenizer
-
-            return gguf_tokenizer(open_gguf(model))
-        return cls.from_dir(model)
 
     @classmethod
     def from_dir(cls, model_dir: str) -> Tokenizer:

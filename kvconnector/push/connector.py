@@ -13,7 +13,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.connector_api import KVCacheSpec
-from engine.models.arch import load_arch
+from engine.models.formats import load_arch
 from kvconnector.endpoint import Endpoint
 from kvconnector.nixl import NixlTransport
 from kvconnector.params import PushDecodeLeg, decode

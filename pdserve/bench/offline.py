@@ -50,11 +50,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _prompts(model: str, n: int, length: int, seed: int) -> list[list[int]]:
-    from engine.models import load_arch
-    from engine.models.tokenizer import Tokenizer
+    from engine.models import load_arch, load_tokenizer
 
     vocab = load_arch(model).vocab_size
-    special = set(Tokenizer.from_pretrained(model).all_special_ids)
+    special = set(load_tokenizer(model).all_special_ids)
     rng = random.Random(seed)
     allowed = [t for t in range(vocab) if t not in special]
     return [[rng.choice(allowed) for _ in range(length)] for _ in range(n)]

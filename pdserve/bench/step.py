@@ -43,7 +43,7 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 def _requests(args: argparse.Namespace, tag: str) -> list[Any]:
-    from engine.models.arch import load_arch
+    from engine.models.formats import load_arch
     from engine.protocol import EngineCoreRequest, SamplingParams
 
     vocab = load_arch(args.model).vocab_size

@@ -101,9 +101,9 @@ def _gguf_token_pool(model: str) -> list[int]:
         return list(range(*FALLBACK_TOKEN_RANGE))
     if not is_gguf(path):
         return token_pool(path)
-    from engine.models import Tokenizer, load_arch
+    from engine.models import load_arch, load_tokenizer
 
-    special = set(Tokenizer.from_pretrained(path).all_special_ids)
+    special = set(load_tokenizer(path).all_special_ids)
     return [t for t in range(load_arch(path).vocab_size) if t not in special]
 
 

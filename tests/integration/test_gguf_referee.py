@@ -95,9 +95,9 @@ def _engine(path: str, dtype: str) -> LLM:
 
 def test_tokenizer_and_chat_template_from_metadata_match_transformers(gguf_path, hf_tokenizer,
                                                                       chat_prompt_ids):
-    from engine.models import Tokenizer
+    from engine.models import load_tokenizer
 
-    ours = Tokenizer.from_pretrained(gguf_path)
+    ours = load_tokenizer(gguf_path)
     rendered = [ours.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     assert [ours.encode(t) for t in rendered] == chat_prompt_ids
     texts = ["Hello world", "  two  spaces\n\nand newlines\t", "2024-11-24: 3.14159 ×2",

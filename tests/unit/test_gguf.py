@@ -14,7 +14,7 @@ import pytest
 import torch
 from gguf_export import export_gguf
 
-from engine.models import Tokenizer, load_arch, load_model
+from engine.models import Tokenizer, load_arch, load_model, load_tokenizer
 from engine.models.gguf_file import SUPPORTED_TENSOR_TYPES
 from engine.models.source import resolve_model
 
@@ -53,8 +53,8 @@ def test_f32_gguf_loads_exactly_the_safetensors_weights(tiny_model, tmp_path):
     for name, p in ref.items():
         assert torch.equal(ours[name], p), name  # q/k un-permuted back exactly
     ids = Tokenizer.from_dir(tiny_model).encode(PROMPT)
-    assert Tokenizer.from_pretrained(path).encode(PROMPT) == ids
-    assert Tokenizer.from_pretrained(path).apply_chat_template(
+    assert load_tokenizer(path).encode(PROMPT) == ids
+    assert load_tokenizer(path).apply_chat_template(
         [{"role": "user", "content": "hi"}]) == Tokenizer.from_dir(tiny_model).apply_chat_template(
         [{"role": "user", "content": "hi"}])
 
