@@ -15,7 +15,7 @@ import struct
 from typing import Any
 
 from engine.models.arch import DEFAULT_ROPE_THETA, ModelArch, RopeConfig
-from engine.models.families import SUPPORTED_GGUF_ARCHITECTURES, gguf_family
+from engine.models.families import gguf_family, supported_gguf_architectures
 from engine.models.gguf_reader import GGUFReader
 
 # Tensor types we dequantize (gguf.quants, checked against its quantize round trip in tests).
@@ -87,7 +87,7 @@ def gguf_arch(gf: GGUFFile) -> ModelArch:
     family = gguf_family(gf.architecture)
     if family is None:
         raise ValueError(f"unsupported GGUF architecture {gf.architecture!r} in {gf.path} "
-                         f"(supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})")
+                         f"(supported: {', '.join(supported_gguf_architectures())})")
     if int(gf.arch_key("expert_count", 0) or 0) > 0:
         raise ValueError(f"{gf.path}: mixture-of-experts llama GGUF files are not supported")
     check_tensor_types(gf)  # here, so every process refuses the file before loading anything

@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from engine.models.arch import DEFAULT_ROPE_THETA, ROPE_TYPES, ModelArch, RopeConfig
-from engine.models.families import SUPPORTED_ARCHITECTURES, family_of
+from engine.models.families import family_of, supported_architectures
 
 _DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
                 "float16": "float16", "half": "float16"}
@@ -80,9 +80,9 @@ def load_hf_arch(model_dir: str) -> ModelArch:
     if not archs:
         raise ValueError(f"{path} lists no architectures")
     name = archs[0]
-    if name not in SUPPORTED_ARCHITECTURES:
+    if name not in supported_architectures():
         raise ValueError(f"unsupported architecture {name!r} in {path} "
-                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+                         f"(supported: {', '.join(supported_architectures())})")
     family_fields = family_of(name).config(cfg, name)
 
     hidden = int(_require(cfg, "hidden_size", path))

@@ -3,7 +3,7 @@
 One module per family (llama.py, qwen2.py, qwen3.py), each exporting `FAMILY`, a `Family`
 (families/base.py): its config.json mapping, its tensor names and their tensor-parallel
 shards, the module it builds, and its GGUF names where it has any. Adding a family is one new
-module and one line in FAMILIES.
+module and one line in BUILTIN (or a `register(FAMILY)` call, e.g. from a plugin or a test).
 """
 
 from __future__ import annotations
@@ -11,18 +11,44 @@ from __future__ import annotations
 from engine.models.families import llama, qwen2, qwen3
 from engine.models.families.base import Family
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY)}
-BY_ARCHITECTURE: dict[str, Family] = {a: f for f in FAMILIES.values() for a in f.architectures}
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(BY_ARCHITECTURE)
-SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(
-    f.gguf_architecture for f in FAMILIES.values() if f.gguf_architecture)
+BUILTIN: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY)
+FAMILIES: dict[str, Family] = {}
+BY_ARCHITECTURE: dict[str, Family] = {}
+
+
+def register(family: Family) -> None:
+    """Serve `family`'s architectures; a name or architecture already taken is a ValueError."""
+    taken = [a for a in family.architectures if a in BY_ARCHITECTURE]
+    if family.name in FAMILIES or taken:
+        raise ValueError(f"model family {family.name!r} clashes with a registered one "
+                         f"(architectures taken: {taken})")
+    FAMILIES[family.name] = family
+    BY_ARCHITECTURE.update(dict.fromkeys(family.architectures, family))
+
+
+def unregister(name: str) -> None:
+    family = FAMILIES.pop(name)
+    for a in family.architectures:
+        BY_ARCHITECTURE.pop(a, None)
+
+
+for _family in BUILTIN:
+    register(_family)
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(BY_ARCHITECTURE)
+
+
+def supported_gguf_architectures() -> tuple[str, ...]:
+    return tuple(f.gguf_architecture for f in FAMILIES.values() if f.gguf_architecture)
 
 
 def family_of(architecture: str) -> Family:
     """The family serving a config.json architecture name; ValueError naming the supported."""
     if architecture not in BY_ARCHITECTURE:
         raise ValueError(f"unsupported architecture {architecture!r} "
-                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+                         f"(supported: {', '.join(supported_architectures())})")
     return BY_ARCHITECTURE[architecture]
 
 
@@ -31,5 +57,5 @@ def gguf_family(gguf_architecture: str) -> Family | None:
     return next((f for f in FAMILIES.values() if f.gguf_architecture == gguf_architecture), None)
 
 
-__all__ = ["FAMILIES", "Family", "SUPPORTED_ARCHITECTURES", "SUPPORTED_GGUF_ARCHITECTURES",
-           "family_of", "gguf_family"]
+__all__ = ["FAMILIES", "Family", "family_of", "gguf_family", "register",
+           "supported_architectures", "supported_gguf_architectures", "unregister"]
