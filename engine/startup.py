@@ -171,3 +171,8 @@ def freeze_startup_objects() -> None:
 def heartbeat_interval(timeout_s: float) -> float:
     """How often a process beats: six beats fit in the timeout, at most one a second."""
     return min(1.0, timeout_s / 6)
+
+
+def stage(watch: StartupWatch | None, name: str) -> contextlib.AbstractContextManager:
+    """`watch.stage(name)`, or nothing without a watch (an in-process engine, tests)."""
+    return contextlib.nullcontext() if watch is None else watch.stage(name)

@@ -21,10 +21,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
 from engine.config import EngineConfig
-from engine.connector_api import KVCacheSpec, KVConnectorOutput, KVConnectorWorker
+from engine.connector_api import KVCacheSpec, KVConnectorWorker
+from engine.connector_seam import KVBinding, KVConnectorMetadata, KVConnectorOutput
 from engine.models.formats import load_arch
 from kvconnector.endpoint import Endpoint, side_channel_port
 from kvconnector.handshake import (
@@ -49,7 +48,7 @@ class NixlWorker(KVConnectorWorker):
     mode = ""  # "push" | "pull"
     prune_idle_peers = False  # drop idle peers and their NIXL agents (see Peers.prune)
 
-    meta_type: Any = None  # the scheduler half's per-step metadata (a dataclass)
+    meta_type: type[KVConnectorMetadata] | None = None  # the mode's per-step metadata
 
     def __init__(self, config: EngineConfig, spec: KVCacheSpec,
                  endpoint: Endpoint | None = None, tp_rank: int = 0) -> None:
@@ -123,13 +122,16 @@ class NixlWorker(KVConnectorWorker):
                 tp_rank=self.tp_rank if tp_rank is None else tp_rank, security=self.security,
                 client_id=self.transport.name if self.transport is not None else "")
 
-    def for_rank(self, metadata: Any) -> Any:
-        """This rank's view of the scheduler's metadata (a mode points it at its peer rank)."""
-        return metadata
+    def binding(self) -> KVBinding | None:
+        """The engine id and the side channel this rank serves, once bound (the port an
+        ephemeral kv_port got is known only now)."""
+        if self.side_channel is None:
+            return None
+        ep = self.endpoint
+        return KVBinding(tp_rank=self.tp_rank, engine_id=ep.engine_id, host=ep.host,
+                         port=ep.port)
 
-    def start_load_kv(self, metadata: Any) -> None:
-        if isinstance(metadata, dict):  # from a TP worker's RPC: msgpack, typed here
-            metadata = self.for_rank(msgspec.convert(metadata, self.meta_type))
+    def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None:
         if self.thread is not None and metadata is not None and metadata.brings_work():
             self.thread.submit(metadata)
 

@@ -35,8 +35,7 @@ class AsyncInprocClient(AsyncEngineCoreClient):
     def __init__(self, config: EngineConfig, *, shutdown_timeout_s: float = 5.0) -> None:
         core = EngineCore(config)
         self.num_kv_blocks = core.num_kv_blocks
-        self.max_model_len = int(getattr(core, "max_model_len", None)
-                                 or core.runner.max_model_len)
+        self.max_model_len = core.max_model_len
         self.shutdown_timeout_s = shutdown_timeout_s
         self.engine = EngineCoreLoop(core, drain_timeout_s=shutdown_timeout_s)
         self._call_ids = itertools.count(1)

@@ -74,11 +74,9 @@ class EngineCoreLoop:
         # Called with the scheduler's stats before each step (the requests just admitted)
         # and after it (data parallel: the engine's counts to the coordinator).
         self.on_step: Callable[[Any], None] | None = None
-        executor = getattr(core, "tp_executor", None)
-        if executor is not None:
-            executor.on_failure = self.fail
-            if executor.failure is not None:
-                self.fail(executor.failure)
+        core.executor.on_failure = self.fail
+        if core.executor.failure is not None:
+            self.fail(core.executor.failure)
 
     def fail(self, reason: str) -> None:
         """Any thread (the TP executor's monitor): make `run()` raise now, also when idle, so

@@ -115,4 +115,4 @@ class UtilityCall(msgspec.Struct, array_like=True):
 
 # Requests for which the core thread runs a utility method (allow-list, no getattr games).
 UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_supported_tasks", "get_stats",
-                             "debug_prompt_kv"})
+                             "debug_prompt_kv", "kv_bindings"})

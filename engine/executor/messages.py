@@ -12,9 +12,9 @@ from typing import Any
 import msgspec
 
 from engine.connector_api import KVCacheSpec
+from engine.connector_seam import KVBinding
 from engine.executor.shm_broadcast import RingHandle
 from engine.runner_output import ModelRunnerOutput
-from engine.sched.output import SchedulerOutput
 
 ALL_RANKS = -1
 
@@ -41,6 +41,7 @@ class WorkerInfo(msgspec.Struct, array_like=True):
     num_heads: int
     num_kv_heads: int
     torch_threads: int
+    kv_binding: KVBinding | None = None  # what its connector worker half bound
 
 
 class WorkerReady(msgspec.Struct, array_like=True, tag=True):
@@ -58,12 +59,13 @@ class WorkerFailed(msgspec.Struct, array_like=True, tag=True):
 
 # method -> (argument type, result type); None: no argument.
 RPC_TYPES: dict[str, tuple[Any, Any]] = {
-    "execute_model": (SchedulerOutput, ModelRunnerOutput),
+    # the worker decodes the SchedulerOutput itself, typed by its connector's metadata
+    "execute_model": (msgspec.Raw, ModelRunnerOutput),
     "describe": (None, WorkerInfo),
     "num_requests": (None, int),
     "kv_cache_spec": (None, KVCacheSpec),  # with a KV connector: rank 0's layout
     "kv_table_sizes": (None, dict[str, int]),  # the rank's connector tables (leak checks)
-    "kv_stats": (None, dict[str, float]),  # the rank's connector counters, now (scrapes)
+    "kv_stats": (None, dict[str, float]),  # the rank's connector counters, now (stats)
     "shutdown": (None, None),
 }
 

@@ -32,6 +32,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
@@ -39,12 +40,15 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
+from engine.connector_seam import KVBinding, KVConnectorOutput
 from engine.executor import messages as m
 from engine.executor.kv_outputs import KVOutputAggregator
 from engine.executor.shm_broadcast import RingGone, ShmReader, ShmWriter
 from engine.executor.worker_proc import worker_main
 from engine.models import load_arch
 from engine.models.parallel import check_tp
+from engine.runner_output import ModelRunnerOutput
+from engine.sched.output import SchedulerOutput
 from engine.startup import config_to_dict, heartbeat_interval, stage_deadline
 
 logger = logging.getLogger(__name__)
@@ -115,6 +119,9 @@ class MultiprocExecutor:
             self.shutdown()
             raise
         self.worker_pids = [i.pid for i in self.infos]
+        self.num_kv_blocks = min(i.num_kv_blocks for i in self.infos)
+        self.max_model_len = self.infos[0].max_model_len
+        self.kv_cache_spec = self.collective_rpc("kv_cache_spec", unique_reply_rank=0)
         self._monitor = threading.Thread(target=self._watch_workers, name="TPWorkerMonitor",
                                          daemon=True)
         self._monitor.start()
@@ -207,18 +214,43 @@ class MultiprocExecutor:
                         f"{self.heartbeat_timeout_s:g}; the process is stopped or frozen)")
         return None
 
-    def execute_model(self, scheduler_output: Any) -> Any:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.kv_outputs is None:
             return self.collective_rpc("execute_model", scheduler_output, unique_reply_rank=0)
         # P/D: every rank reports what its connector worker half finished; tokens from rank 0.
         outs = self.collective_rpc("execute_model", scheduler_output)
         outs[0].kv_connector_output = self.kv_outputs.combine(
-            [o.kv_connector_output for o in outs])
+            [o.kv_connector_output or KVConnectorOutput() for o in outs])
         return outs[0]
 
     @property
     def num_requests(self) -> int:
         return self.collective_rpc("num_requests", unique_reply_rank=0)
+
+    # -- the connector's worker halves (one per rank) -------------------------------------
+    def kv_bindings(self) -> list[KVBinding]:
+        return [i.kv_binding for i in self.infos if i.kv_binding is not None]
+
+    def connector_stats(self) -> dict[str, float]:
+        """Every rank's counters now, summed (also when idle: a rank's transfer thread counts
+        what peers send without any step)."""
+        if self.kv_outputs is None:
+            return {}
+        total: Counter[str] = Counter()
+        for per_rank in self.collective_rpc("kv_stats"):
+            total.update(per_rank)
+        return dict(total)
+
+    def connector_tables(self) -> dict[str, int]:
+        if self.kv_outputs is None:
+            return {}
+        total = Counter(self.kv_outputs.table_sizes())
+        for sizes in self.collective_rpc("kv_table_sizes"):
+            total.update(sizes)
+        return dict(total)
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[bytes]:
+        raise ValueError("debug_prompt_kv reads one process's KV: tensor_parallel_size 1 only")
 
     # -- failure detection (monitor thread) -----------------------------------------------
     def _describe_death(self) -> str | None:

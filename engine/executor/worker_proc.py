@@ -37,6 +37,8 @@ from engine.connector_registry import make_worker_half
 from engine.executor import messages as m
 from engine.executor.shm_broadcast import RingGone, RingHandle, ShmReader, ShmWriter
 from engine.models.parallel import Collectives
+from engine.runner_output import ModelRunnerOutput
+from engine.sched.output import SchedulerOutput
 from engine.startup import StartupWatch, freeze_startup_objects, heartbeat_interval
 
 logger = logging.getLogger(__name__)
@@ -63,12 +65,12 @@ class Worker:
             if self.connector is not None:
                 self.connector.register_kv_caches(self.runner.kv_cache)
         self.runner.connector = self.connector
+        meta = None if self.connector is None else self.connector.meta_type
+        self._so_decoder = msgspec.msgpack.Decoder(
+            SchedulerOutput if meta is None else SchedulerOutput[meta])
 
-    def execute_model(self, so: Any) -> Any:
-        out = self.runner.execute_model(so)
-        if self.connector is not None:
-            out.kv_connector_output.stats = self.connector.get_stats()
-        return out
+    def execute_model(self, raw: msgspec.Raw) -> ModelRunnerOutput:
+        return self.runner.execute_model(self._so_decoder.decode(raw))
 
     def kv_cache_spec(self, _: None) -> KVCacheSpec:
         return self.runner.kv_cache_spec
@@ -84,7 +86,9 @@ class Worker:
         return m.WorkerInfo(rank=self.rank, pid=os.getpid(), num_kv_blocks=r.num_kv_blocks,
                             max_model_len=r.max_model_len, num_heads=r.model.num_heads,
                             num_kv_heads=r.model.num_kv_heads,
-                            torch_threads=torch.get_num_threads())
+                            torch_threads=torch.get_num_threads(),
+                            kv_binding=None if self.connector is None
+                            else self.connector.binding())
 
     def num_requests(self, _: None) -> int:
         return self.runner.num_requests

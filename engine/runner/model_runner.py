@@ -14,7 +14,8 @@ import torch
 
 from engine import kernels
 from engine.config import EngineConfig
-from engine.connector_api import KVCacheSpec, KVConnectorWorker
+from engine.connector_api import KVCacheSpec
+from engine.connector_seam import WorkerConnector
 from engine.models import load_arch, load_model
 from engine.models.parallel import Collectives
 from engine.protocol import SamplingParams
@@ -76,7 +77,7 @@ class ModelRunner:
         self.attn_kernel = kernels.paged_attention() if self.device.type == "cpu" else None
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequest] = {}
-        self.connector: KVConnectorWorker | None = None
+        self.connector: WorkerConnector | None = None
 
     def _kv_cache_spec(self) -> KVCacheSpec:
         a = self.arch

@@ -10,8 +10,9 @@ scheduled again, travels whole once more with every token it has so far.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Generic, TypeVar
 
+from engine.connector_seam import KVConnectorMetadata
 from engine.protocol import SamplingParams
 
 
@@ -33,15 +34,21 @@ class CachedRequestData:
     num_computed_tokens: int
 
 
+M = TypeVar("M", bound=KVConnectorMetadata)
+
+
 @dataclass
-class SchedulerOutput:
+class SchedulerOutput(Generic[M]):
+    """One step's schedule. Generic in the connector's metadata type only so a TP worker can
+    decode it typed: `SchedulerOutput[PushMeta]` (engine/executor/worker_proc.py)."""
+
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
     num_scheduled_tokens: dict[str, int]  # req_id -> tokens to compute this step
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)  # runner drops their state
-    kv_connector_metadata: Any = None
+    kv_connector_metadata: M | None = None  # the scheduler half's, for the worker halves
 
     @property
     def is_empty(self) -> bool:

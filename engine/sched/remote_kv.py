@@ -11,8 +11,8 @@ Two tables, both keyed by request id and both owned by the engine-core thread:
 from __future__ import annotations
 
 import logging
-from typing import Any
 
+from engine.connector_seam import KVConnectorOutput
 from engine.sched.kv_cache_manager import KVCacheManager
 from engine.sched.request import Request, RequestStatus
 
@@ -39,7 +39,6 @@ class RemoteKVState:
         self.kv_cache_manager = kv_cache_manager
         self.finished_recving: set[str] = set()
         self.delayed_free: dict[str, Request] = {}
-        self.connector_stats: dict[str, float] = {}
 
     def mark_ready(self, req: Request) -> None:
         """The KV landed: everything is computed but the last token, which yields logits."""
@@ -56,29 +55,22 @@ class RemoteKVState:
     def forget(self, request_id: str) -> None:
         self.finished_recving.discard(request_id)
 
-    def absorb(self, kvo: Any, requests: dict[str, Request]) -> dict[str, str]:
+    def absorb(self, kvo: KVConnectorOutput, requests: dict[str, Request]) -> dict[str, str]:
         """Apply one step's connector output. Returns the parked requests whose load failed.
 
         `finished_sending` frees held blocks; `finished_recving` makes parked requests
-        schedulable; an id in `failed_recving` (a set, or a dict id -> reason) is left to
-        the caller's failure policy even when it is also reported as received.
+        schedulable; an id in `failed_recving` (id -> reason) is left to the caller's failure
+        policy even when it is also reported as received.
         """
-        for rid in getattr(kvo, "finished_sending", None) or ():
+        for rid in kvo.finished_sending:
             req = self.delayed_free.pop(rid, None)
             if req is not None:
                 self.kv_cache_manager.free(req)
-        failed_in = getattr(kvo, "failed_recving", None) or {}
-        failed: dict[str, str] = {}
-        for rid in failed_in:
-            if _parked(requests.get(rid)):
-                reason = failed_in.get(rid) if isinstance(failed_in, dict) else None
-                failed[rid] = reason or "no reason given"
-        for rid in getattr(kvo, "finished_recving", None) or ():
-            if rid not in failed_in and _parked(requests.get(rid)):
+        failed = {rid: reason or "no reason given" for rid, reason in kvo.failed_recving.items()
+                  if _parked(requests.get(rid))}
+        for rid in kvo.finished_recving:
+            if rid not in kvo.failed_recving and _parked(requests.get(rid)):
                 self.finished_recving.add(rid)
-        stats = getattr(kvo, "stats", None)
-        if stats:
-            self.connector_stats.update(stats)
         return failed
 
 

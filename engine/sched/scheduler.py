@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.connector_seam import SchedulerConnector
 from engine.protocol import EngineCoreOutput, FinishReason, Logprobs, SchedulerStats
 from engine.runner_output import ModelRunnerOutput
 from engine.sched.kv_cache_manager import KVCacheManager
@@ -63,7 +64,7 @@ class Scheduler:
     def __init__(
         self, *, block_size: int, num_blocks: int, max_num_seqs: int,
         max_num_batched_tokens: int, max_model_len: int, enable_prefix_caching: bool = True,
-        connector: Any = None, clock: Callable[[], float] = time.monotonic,
+        connector: SchedulerConnector | None = None, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         for name, value in (("block_size", block_size), ("num_blocks", num_blocks),
                             ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
@@ -149,7 +150,6 @@ class Scheduler:
             kv_cache_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_blocks, prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,
-            kv_connector=dict(self.remote_kv.connector_stats),
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -297,7 +297,7 @@ class Scheduler:
     # ---- remote KV (connector) ----------------------------------------------------------
 
     def _on_remote_kv_failed(self, req: Request, reason: str) -> None:
-        policy = getattr(self.connector, "load_failure_policy", "recompute")
+        policy = "recompute" if self.connector is None else self.connector.load_failure_policy
         if policy == "fail":
             self._finish_with_error(req, f"KV transfer for request {req.request_id} failed:"
                                          f" {reason}")

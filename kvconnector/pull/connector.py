@@ -23,7 +23,7 @@ from kvconnector.pull.scheduler import PullScheduler
 from kvconnector.pull.thread import PullThread
 from kvconnector.worker import NixlWorker
 
-__all__ = ["PullWorker", "make", "request_params_validator"]
+__all__ = ["PullWorker", "make", "make_scheduler", "make_worker", "request_params_validator"]
 
 
 def _new_stats() -> dict[str, float]:
@@ -50,3 +50,13 @@ def make(config: EngineConfig, spec: KVCacheSpec) -> tuple[PullScheduler, PullWo
     """Both halves of one engine's connector (`engine.connector_registry.make_connector`)."""
     endpoint = Endpoint.from_config(config.kv_transfer_config)
     return PullScheduler(config, spec, endpoint=endpoint), PullWorker(config, spec, endpoint)
+
+
+def make_scheduler(config: EngineConfig, spec: KVCacheSpec) -> PullScheduler:
+    """The scheduler half; it advertises what the worker half bound (`bind_workers`)."""
+    return PullScheduler(config, spec)
+
+
+def make_worker(config: EngineConfig, spec: KVCacheSpec, tp_rank: int) -> PullWorker:
+    """The worker half (pull runs at tensor_parallel_size 1: rank 0)."""
+    return PullWorker(config, spec, Endpoint.from_config(config.kv_transfer_config), tp_rank)

@@ -1,9 +1,11 @@
-"""What the pull scheduler half hands the worker half each step (same process), and the
-prompt digest both sides compute."""
+"""What the pull scheduler half hands the worker half each step (`PullMeta`, a tagged msgspec
+struct: engine/connector_seam.py), and the prompt digest both sides compute."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from engine.connector_seam import KVConnectorMetadata
 
 # P puts the digest of the prompt it prefilled in its kv_transfer_params; D reads P's blocks
 # only for a prompt with the same digest, so params that reach the wrong prompt (a prompt
@@ -47,13 +49,12 @@ class Lease:
     block_ids: list[int]
 
 
-@dataclass
-class PullMeta:
-    claims: list[Claim] = field(default_factory=list)  # D: heartbeat while queued
-    reads: list[Read] = field(default_factory=list)  # D: post these READs
-    released: list[str] = field(default_factory=list)  # D: request over, blocks held
-    abandoned: list[str] = field(default_factory=list)  # D: claim dropped before any READ
-    leases: list[Lease] = field(default_factory=list)  # P: hold these for D
+class PullMeta(KVConnectorMetadata):
+    claims: list[Claim] = []  # D: heartbeat while queued
+    reads: list[Read] = []  # D: post these READs
+    released: list[str] = []  # D: request over, blocks held
+    abandoned: list[str] = []  # D: claim dropped before any READ
+    leases: list[Lease] = []  # P: hold these for D
 
     def brings_work(self) -> bool:
         return bool(self.claims or self.reads or self.released or self.abandoned

@@ -30,6 +30,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.connector_api import KVCacheSpec
+from engine.connector_seam import KVBinding
 from kvconnector.endpoint import Endpoint
 from kvconnector.params import KVParams, PrefillLeg, PullDecodeLeg
 from kvconnector.pull import signing
@@ -65,6 +66,13 @@ class PullScheduler(TransferScheduler):
         # (P engine, P request) -> until when a second claim is refused (inf: active).
         self._claimed: dict[tuple[str, str], float] = {}
         self.stats["kv_pull_refused_params_total"] = 0
+
+    def bind_workers(self, bindings: list[KVBinding]) -> None:
+        """P advertises in its kv_transfer_params what its worker half bound (an ephemeral
+        port, a generated engine id), not what was configured."""
+        if bindings:
+            b = bindings[0]
+            self.endpoint = Endpoint(b.engine_id, b.host, b.port)
 
     # --- D side -------------------------------------------------------------------
     def _decode(self, params: Any) -> KVParams | None:

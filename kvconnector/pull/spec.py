@@ -31,5 +31,17 @@ class PullSpec(NixlSpec):
 
         return make(config, cache)  # type: ignore[arg-type]
 
+    def make_scheduler(self, config: ConnectorConfig, cache: KVCacheSpec
+                       ) -> KVConnectorScheduler:
+        from kvconnector.pull.connector import make_scheduler
+
+        return make_scheduler(config, cache)  # type: ignore[arg-type]
+
+    def make_worker(self, config: ConnectorConfig, cache: KVCacheSpec, tp_rank: int
+                    ) -> KVConnectorWorker:
+        from kvconnector.pull.connector import make_worker
+
+        return make_worker(config, cache, tp_rank)  # type: ignore[arg-type]
+
 
 SPEC = PullSpec()

@@ -1,9 +1,11 @@
-"""What the push scheduler half hands the worker half each step (same process)."""
+"""What the push scheduler half hands the worker half(s) each step: `PushMeta`, a tagged
+msgspec struct (engine/connector_seam.py), so a TP rank decodes it typed."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from engine.connector_seam import KVConnectorMetadata
 from kvconnector.wire import base_request_id
 
 
@@ -60,17 +62,16 @@ class FinishedBlocks:
     prompt_digest: str = ""  # security.prompt_digest of P's prompt; a PUSH_REG must equal it
 
 
-@dataclass
-class PushMeta:
-    registrations: list[Registration] = field(default_factory=list)  # D: send PUSH_REG
-    queued: list[Queued] = field(default_factory=list)  # D: heartbeat P while queued
-    watchdog_expired: list[str] = field(default_factory=list)  # D: give up, cancel at P
-    released: list[str] = field(default_factory=list)  # D: request over; free when safe
-    finished_blocks: list[FinishedBlocks] = field(default_factory=list)  # P: write these
-    aborted: list[tuple[str, str | None]] = field(default_factory=list)  # P: (id, transfer)
+class PushMeta(KVConnectorMetadata):
+    registrations: list[Registration] = []  # D: send PUSH_REG
+    queued: list[Queued] = []  # D: heartbeat P while queued
+    watchdog_expired: list[str] = []  # D: give up, cancel at P
+    released: list[str] = []  # D: request over; free when safe
+    finished_blocks: list[FinishedBlocks] = []  # P: write these
+    aborted: list[tuple[str, str | None]] = []  # P: (id, transfer)
     # P: (id, transfer) of each P leg that entered the scheduler; it ends in finished_blocks
     # or aborted. A registration for a transfer no such request carries is refused soon.
-    arrived: list[tuple[str, str | None]] = field(default_factory=list)
+    arrived: list[tuple[str, str | None]] = []
 
     def brings_work(self) -> bool:
         return bool(self.registrations or self.queued or self.watchdog_expired or self.released

@@ -5,15 +5,16 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from engine.connector_api import KVCacheSpec, KVConnectorOutput
-from engine.executor.kv_outputs import KVOutputAggregator, TPConnectorView
+from engine.executor.kv_outputs import KVOutputAggregator
+from engine.executor.multiproc import MultiprocExecutor
 from engine.kv_transfer_config import KVTransferConfig
 from kvconnector.push.scheduler import PushScheduler
 
 
-def _out(sending=(), recving=(), failed=None, stats=None) -> dict:
-    # the msgpack-decoded form a worker's reply carries
-    return {"finished_sending": list(sending), "finished_recving": list(recving),
-            "failed_recving": failed or {}, "stats": stats or {}}
+def _out(sending=(), recving=(), failed=None) -> KVConnectorOutput:
+    # what a worker's reply carries, decoded typed
+    return KVConnectorOutput(finished_sending=set(sending), finished_recving=set(recving),
+                             failed_recving=failed or {})
 
 
 def test_done_only_once_every_rank_said_so_even_in_different_steps():
@@ -36,10 +37,12 @@ def test_a_failure_on_any_rank_fails_at_once_and_later_words_are_dropped():
     assert not any(agg.table_sizes().values())
 
 
-def test_counters_are_summed_over_ranks_and_typed_outputs_pass():
-    agg = KVOutputAggregator(2)
-    agg.combine([KVConnectorOutput(stats={"w": 3}), _out(stats={"w": 4, "x": 1})])
-    assert agg.stats() == {"w": 7, "x": 1}
+def test_a_rank_reply_decodes_to_the_typed_output_the_aggregator_takes():
+    import msgspec
+
+    wire = msgspec.msgpack.encode(_out(recving=["a"], failed={"b": "gone"}))
+    assert msgspec.msgpack.decode(wire, type=KVConnectorOutput) == _out(
+        recving=["a"], failed={"b": "gone"})
 
 
 def test_a_request_failed_on_every_rank_counts_once():
@@ -52,12 +55,14 @@ def test_a_request_failed_on_every_rank_counts_once():
     agg = KVOutputAggregator(2)
     sched.update_connector_output(agg.combine([_out(failed={"a": "P gone"}), _out()]))
     sched.update_connector_output(agg.combine([_out(), _out(failed={"a": "P gone"})]))
-    stats = {**sched.get_stats(), **agg.stats()}  # as EngineCore.make_stats merges them
+    stats = sched.get_stats()  # the per-request counters are the scheduler half's
     assert stats["kv_recv_failed_total"] == 1 and stats["kv_recompute_fallback_total"] == 1
 
 
 class _Ranks:
-    """The executor's collective RPC as the view sees it: each rank's counters now."""
+    """The executor's collective RPC as `connector_stats` sees it: each rank's counters now."""
+
+    kv_outputs = KVOutputAggregator(2)
 
     def __init__(self, *stats: dict[str, float]) -> None:
         self.stats = list(stats)
@@ -70,11 +75,7 @@ class _Ranks:
 def test_a_scrape_reads_the_ranks_counters_even_when_no_step_reported_them():
     """An idle TP engine takes no steps, yet its ranks count what peers send (a P that got
     D's registrations before its own request arrived): a scrape must show it."""
-    agg = KVOutputAggregator(2)
-    agg.combine([_out(stats={"kv_push_registrations_received_total": 1}), _out()])
     ranks = _Ranks({"kv_push_registrations_received_total": 2},
-                   {"kv_push_registrations_received_total": 1})
-    view = TPConnectorView(ranks, agg)
-    assert view.get_stats() == {"kv_push_registrations_received_total": 1}  # last step's
-    view.refresh_stats()
-    assert view.get_stats() == {"kv_push_registrations_received_total": 3}
+                   {"kv_push_registrations_received_total": 1, "x": 1})
+    assert MultiprocExecutor.connector_stats(ranks) == {  # type: ignore[arg-type]
+        "kv_push_registrations_received_total": 3, "x": 1}
