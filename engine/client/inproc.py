@@ -9,7 +9,8 @@ from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.protocol import EngineCoreOutputs, EngineCoreRequest
 
-_UTILITIES = ("reset_prefix_cache", "get_supported_tasks", "get_stats", "debug_prompt_kv")
+_UTILITIES = ("reset_prefix_cache", "get_supported_tasks", "get_stats", "debug_prompt_kv",
+              "kv_bindings")
 
 
 class InprocClient(SyncEngineCoreClient):

@@ -277,6 +277,18 @@ class AsyncLLM:
         self._raise_if_dead()
         return dict(await self.client.call_utility_async("get_stats"))
 
+    async def kv_transfer_info(self) -> dict[str, Any]:
+        """What the connector's worker halves bound (with data parallel: rank 0's engine):
+        the live engine_id, kv_host, kv_port and kv_ports (one per TP rank) that
+        GET /kv_transfer/info serves over the configured ones; {} without a connector."""
+        self._raise_if_dead()
+        bindings = list(await self.client.call_utility_async("kv_bindings"))
+        if not bindings:
+            return {}
+        first = bindings[0]
+        return {"engine_id": first["engine_id"], "kv_host": first["host"],
+                "kv_port": first["port"], "kv_ports": [b["port"] for b in bindings]}
+
     async def get_supported_tasks(self) -> list[str]:
         self._raise_if_dead()
         return list(await self.client.call_utility_async("get_supported_tasks"))

@@ -13,7 +13,7 @@ import inspect
 import os
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -55,6 +55,24 @@ class ServerSettings:
             raise ValueError("api_key must not be empty")
 
 
+class EngineClient(Protocol):
+    """What the app needs of a running engine (`engine.frontend.async_llm.AsyncLLM`); tests
+    may serve any object with these. Every coroutine runs on the server's event loop."""
+
+    tokenizer: Any
+    max_model_len: int
+
+    async def check_health(self) -> None: ...  # raises EngineDeadError naming why
+
+    async def get_stats(self) -> dict[str, Any]: ...
+
+    async def debug_prompt_kv(self, prompt_token_ids: list[int]) -> list[str]: ...
+
+    async def kv_transfer_info(self) -> dict[str, Any]:
+        """What the connector's worker halves bound (engine id, side-channel host and
+        ports), served over the configured values at /kv_transfer/info; {} without one."""
+
+
 def _version() -> str:
     try:
         return metadata.version("pdserve")
@@ -67,7 +85,7 @@ async def _maybe_await(value: Any) -> Any:
 
 
 def build_app(
-    engine: Any,
+    engine: EngineClient,
     *,
     model_name: str,
     accepted_model_names: tuple[str, ...] = (),
@@ -84,7 +102,7 @@ def build_app(
         engine=engine,
         model_name=model_name,
         accepted_names=frozenset((model_name, *accepted_model_names)),
-        max_model_len=getattr(engine, "max_model_len", None),
+        max_model_len=engine.max_model_len,
         tokenizer=engine.tokenizer,
         metrics=app.state.metrics,
         kv_spec=settings.kv_spec,
@@ -187,11 +205,8 @@ def build_app(
     @app.get("/kv_transfer/info")
     async def kv_transfer_info() -> JSONResponse:
         info = settings.kv_transfer_info
-        live = getattr(engine, "kv_transfer_info", None)
-        if callable(live):
-            live = await _maybe_await(live())
-        if isinstance(live, dict):
-            info = {**(info or {}), **live}
+        if info is not None:  # what the worker halves bound wins over what was configured
+            info = {**info, **await _maybe_await(engine.kv_transfer_info())}
         if info is None:
             raise APIError("this server has no kv-transfer config", 404, code="not_found")
         if info.get("data_parallel_ranks"):  # a rank whose engine died is listed, not alive

@@ -333,6 +333,9 @@ class _KeyedStub:
     async def debug_prompt_kv(self, ids):
         return []
 
+    async def kv_transfer_info(self):
+        return {}  # nothing bound beyond the configured values
+
 
 @pytest.mark.parametrize("public_metrics", [False, True])
 def test_api_key_guards_kv_info_stats_and_debug_routes(tiny_model, monkeypatch, public_metrics):
