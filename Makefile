@@ -31,6 +31,7 @@ demo: models
 
 test: models
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q tests
 
 bench-offline: $(STAMP)
