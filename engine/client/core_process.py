@@ -46,6 +46,7 @@ from engine.core.messages import (
     encode_handshake,
     engine_identity,
 )
+from engine.dp.loops import build_loop
 from engine.startup import (
     EXIT_STARTUP_STALLED,
     StartupStalled,
@@ -157,6 +158,7 @@ class CoreProcess:
                     "handshake_address": handshake.getsockopt_string(zmq.LAST_ENDPOINT),
                     "parent_pid": os.getpid(),
                     "log_level": logging.getLogger().getEffectiveLevel(),
+                    "build_loop": build_loop,
                 },
                 name=f"EngineCore_{engine_index}",
                 daemon=True,

@@ -31,13 +31,14 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from engine import stackdump
 from engine.config import EngineConfig
-from engine.core.busy_loop import InputKind
+from engine.core.busy_loop import EngineCoreLoop, InputKind
 from engine.core.engine_core import EngineCore
 from engine.core.liveness import CoreHeartbeat
 from engine.core.messages import (
@@ -52,7 +53,6 @@ from engine.core.messages import (
     encode_handshake,
     engine_identity,
 )
-from engine.dp.loops import build_loop
 from engine.protocol import EngineCoreRequest, EngineCoreRequestType
 from engine.serial import MsgpackDecoder, MsgpackEncoder
 from engine.startup import StartupWatch
@@ -66,11 +66,24 @@ _DEAD = object()  # output-queue marker: send ENGINE_CORE_DEAD and stop
 _STOP = object()  # output-queue marker: flush and stop
 
 
+LoopBuilder = Callable[[EngineCore, int, EngineConfig, zmq.Context, HandshakeInit,
+                        threading.Event], EngineCoreLoop]
+
+
+def plain_loop(core: EngineCore, engine_index: int, config: EngineConfig, ctx: zmq.Context,
+               init: HandshakeInit, stop: threading.Event) -> EngineCoreLoop:
+    """The busy loop of an engine without a data-parallel coordinator."""
+    return EngineCoreLoop(core, engine_index)
+
+
 class EngineCoreProc:
-    """Handshake, I/O threads and busy loop of one engine-core process."""
+    """Handshake, I/O threads and busy loop of one engine-core process. The loop comes from
+    `build_loop`: the process that spawns the core picks it (engine/dp/loops.py with data
+    parallel), so the core never imports the layers above it."""
 
     def __init__(self, config: EngineConfig, engine_index: int, handshake_address: str,
-                 watch: StartupWatch | None = None) -> None:
+                 watch: StartupWatch | None = None, build_loop: LoopBuilder = plain_loop
+                 ) -> None:
         self.engine_index = engine_index
         self.identity = engine_identity(engine_index)
         self.ctx = zmq.Context()
@@ -267,7 +280,8 @@ def _setup_logging(level: int, engine_index: int) -> None:
 
 
 def run_engine_core(config: dict[str, Any], engine_index: int, handshake_address: str,
-                    parent_pid: int, log_level: int = logging.INFO) -> None:
+                    parent_pid: int, log_level: int = logging.INFO,
+                    build_loop: LoopBuilder = plain_loop) -> None:
     """Entry point of the spawned core process. Never returns; exits with a code above."""
     _setup_logging(log_level, engine_index)
     stackdump.install()
@@ -279,7 +293,7 @@ def run_engine_core(config: dict[str, Any], engine_index: int, handshake_address
     try:
         cfg = EngineConfig(**config)
         watch = StartupWatch(f"engine core {engine_index}", cfg.startup_stage_timeout_s)
-        proc = EngineCoreProc(cfg, engine_index, handshake_address, watch)
+        proc = EngineCoreProc(cfg, engine_index, handshake_address, watch, build_loop)
         loop = proc.loop
 
         def on_signal(signum: int, frame: Any) -> None:
