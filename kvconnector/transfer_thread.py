@@ -8,11 +8,11 @@ work is outstanding (a transfer progresses only while both agents are polled: se
 costs no CPU.
 
 A mode subclasses it with only its policy: a `name`, two halves and two routing tables.
-- `source`: this engine's blocks other engines take (P side); `sink`: blocks this engine
-  receives (D side). Each half has `poll()`, `needs_poll()`, `next_deadline()` (when it
-  must poll next while idle, or None), `table_sizes()` and a `done` set of request ids whose
-  blocks may be freed; the sink also has `finished_recving` and `failed_recving`. With
-  `prune_idle` both halves have `addresses_in_use()`.
+- `source`: this engine's blocks other engines take (P side, a `Half`); `sink`: blocks this
+  engine receives (D side, a `Sink`). Each half has `poll()`, `needs_poll()`,
+  `next_deadline()` (when it must poll next while idle, or None), `table_sizes()` and a
+  `done` set of request ids whose blocks may be freed; the sink also has `finished_recving`
+  and `failed_recving`. With `prune_idle` both halves are `Prunable` too.
 - `make_inbox_routes()`: field of the scheduler's per-step metadata -> handler of one item,
   in the order they run;
 - `make_notif_routes()`: decoded notification type (`kvconnector.wire`) -> handler
@@ -30,10 +30,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from engine.connector_api import KVConnectorOutput
+from engine.connector_seam import KVConnectorMetadata
 from kvconnector import wire
+
+if TYPE_CHECKING:
+    from kvconnector.peers import Address, Peers
+    from kvconnector.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +50,36 @@ _PRUNE_EVERY_S = 1.0
 NotifHandler = Callable[[Any, str, float], None]
 
 
+class Half(Protocol):
+    """One side of a transfer thread (push: `Sender` / `Receiver`; pull: `Lender` /
+    `Reader`). Touched by the transfer thread only; `done` is the thread's to empty."""
+
+    done: set[str]  # request ids whose blocks may be freed
+
+    def poll(self) -> None: ...
+    def needs_poll(self) -> bool: ...  # poll every POLL_INTERVAL_S while True
+    def next_deadline(self) -> float | None: ...  # when it must poll next while idle
+    def table_sizes(self) -> dict[str, int]: ...
+
+
+class Sink(Half, Protocol):
+    """The receiving side (D): also what it received, or failed to, since the last publish."""
+
+    finished_recving: set[str]
+    failed_recving: dict[str, str]  # request id -> reason
+
+
+class Prunable(Protocol):
+    """A half of a mode with `prune_idle`: the peer addresses its live entries still use."""
+
+    def addresses_in_use(self) -> set[Address]: ...
+
+
 class TransferThread:
     name = "nixl-transfer"  # the thread's name; a mode names its own
     prune_idle = False  # prune idle peers (both halves then have `addresses_in_use()`)
 
-    def __init__(self, transport: Any, peers: Any, source: Any, sink: Any,
+    def __init__(self, transport: Transport, peers: Peers, source: Half, sink: Sink,
                  wake: threading.Event, clock: Callable[[], float] = time.monotonic) -> None:
         self.t = transport
         self.peers = peers
@@ -59,7 +89,7 @@ class TransferThread:
         self.clock = clock
         self.inbox_routes = self.make_inbox_routes()
         self.notif_routes = self.make_notif_routes()
-        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[KVConnectorMetadata] = queue.SimpleQueue()
         self.outbox: queue.SimpleQueue[KVConnectorOutput] = queue.SimpleQueue()
         self.malformed = 0
         self._last_listen = clock()  # when this side last drained its notifications
@@ -89,7 +119,7 @@ class TransferThread:
         self.wake.set()
         self._thread.join(timeout=5)
 
-    def submit(self, meta: Any) -> None:
+    def submit(self, meta: KVConnectorMetadata) -> None:
         """Hand the scheduler's per-step metadata over (only when it brings work)."""
         self.inbox.put(meta)
         self.wake.set()
@@ -170,7 +200,8 @@ class TransferThread:
         if now < self._next_prune:
             return
         self._next_prune = now + _PRUNE_EVERY_S
-        self.peers.prune(self.source.addresses_in_use() | self.sink.addresses_in_use())
+        source, sink = cast(Prunable, self.source), cast(Prunable, self.sink)
+        self.peers.prune(source.addresses_in_use() | sink.addresses_in_use())
 
     def _timeout(self) -> float:
         if self.source.needs_poll() or self.sink.needs_poll() or self.peers.pending():

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvconnector import wire
 from kvconnector.push.meta import FinishedBlocks
 
+if TYPE_CHECKING:
+    from kvconnector.nixl import XferHandle
+
 RegKey = tuple[str, int]  # (D request id, D's TP rank): one registration per D rank
 
 
-def reg_key(reg: Any) -> RegKey:
+def reg_key(reg: wire.PushReg) -> RegKey:
     return (reg.request_id, reg.decode_tp_rank)
 
 
@@ -31,7 +34,7 @@ class SendState(enum.Enum):
 
 @dataclass
 class PendingReg:
-    reg: Any  # wire.PushReg
+    reg: wire.PushReg  # as decoded from D's notification
     received_at: float
     agent: str | None = None  # the NIXL agent it came from (None: not checked)
     # P's clock by which a P request must carry its transfer (None: one does, or no check)
@@ -46,7 +49,7 @@ class PendingReg:
 class Inflight:
     p_request_id: str
     reg: PendingReg
-    handle: Any
+    handle: XferHandle  # the transport's, for check() and release()
     started: float
     nbytes: int
     ack_cancel: bool = False
@@ -91,7 +94,7 @@ class SenderStats:
         self.counters[name] += value
 
 
-def match_rank(fb: FinishedBlocks, reg: Any) -> int | None:
+def match_rank(fb: FinishedBlocks, reg: wire.PushReg) -> int | None:
     """Whether P request `fb` and registration `reg` name the same transfer: 0 by transfer id,
     1 by exact request id, 2 by base request id (lower is better); None if they do not. A
     transfer id on either side admits only an equal transfer id."""
@@ -104,7 +107,7 @@ def match_rank(fb: FinishedBlocks, reg: Any) -> int | None:
     return None
 
 
-def digest_ok(fb: FinishedBlocks, reg: Any) -> bool:
+def digest_ok(fb: FinishedBlocks, reg: wire.PushReg) -> bool:
     """Registration and P's prompt are the same tokens (an empty digest matches nothing)."""
     return bool(fb.prompt_digest) and fb.prompt_digest == reg.prompt_digest
 
