@@ -185,14 +185,10 @@ class ConnectorSpec:
         """The params of child `index` of a request with n > 1 samples."""
         return kv_transfer_params
 
-    def make(self, config: ConnectorConfig, cache: KVCacheSpec
-             ) -> tuple[KVConnectorScheduler, KVConnectorWorker]:
-        """Both halves in one process (TP = 1), sharing what only one of them learns."""
-        raise NotImplementedError
-
     def make_scheduler(self, config: ConnectorConfig, cache: KVCacheSpec
                        ) -> KVConnectorScheduler:
-        """The scheduler half alone (the EngineCore's, with tensor parallel)."""
+        """The scheduler half (the EngineCore's, at every TP size); it learns what the
+        worker halves bound through `bind_workers`."""
         raise NotImplementedError
 
     def make_worker(self, config: ConnectorConfig, cache: KVCacheSpec, tp_rank: int

@@ -105,23 +105,17 @@ def kv_params_validator(config: ConnectorConfig) -> KVParamsValidator | None:
     return None if spec is None else spec.params_validator(config)
 
 
-def make_connector(config: ConnectorConfig, cache: KVCacheSpec
-                   ) -> tuple[KVConnectorScheduler | None, KVConnectorWorker | None]:
-    """Build both halves of the configured connector, or (None, None) without one."""
-    spec = spec_for(config)
-    return (None, None) if spec is None else spec.make(config, cache)
-
-
 def make_scheduler_half(config: ConnectorConfig, cache: KVCacheSpec
                         ) -> KVConnectorScheduler | None:
-    """The scheduler half alone (tensor parallel: EngineCore keeps it), or None."""
+    """The scheduler half (the EngineCore's, at every TP size), or None."""
     spec = spec_for(config)
     return None if spec is None else spec.make_scheduler(config, cache)
 
 
 def make_worker_half(config: ConnectorConfig, cache: KVCacheSpec, tp_rank: int
                      ) -> KVConnectorWorker | None:
-    """Rank `tp_rank`'s worker half, built in its worker process, or None."""
+    """Rank `tp_rank`'s worker half, built beside that rank's runner (in the EngineCore
+    process at TP = 1, in the rank's worker process above), or None."""
     spec = spec_for(config)
     return None if spec is None else spec.make_worker(config, cache, tp_rank)
 

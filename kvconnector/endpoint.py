@@ -1,10 +1,11 @@
 """This engine's KV coordinates: engine id and side-channel host/port.
 
-One `Endpoint` per engine, made by the connector's `make` and handed to both halves: the
-worker half binds the side channel there (filling in `port` when the config asked for an
-ephemeral one), the scheduler half advertises it (pull: in P's kv_transfer_params). Written
-once, on the engine-core thread while the worker registers its caches, before the scheduler
-half reads it.
+One `Endpoint` per worker half, made by the connector's `make_worker`: the worker half binds
+the side channel there (filling in `port` when the config asked for an ephemeral one) and
+reports it as its `KVBinding` through the executor; the scheduler half learns it by
+`bind_workers` (pull: advertises it in P's kv_transfer_params), and so does
+`/kv_transfer/info`. Written once, by the thread that registers the caches, before the binding
+is reported.
 """
 
 from __future__ import annotations

@@ -15,9 +15,8 @@ Modules:
 - signing.py    with a KV secret: P signs its answer, D admits only signed params for its
                 prompt within P's lease (docs/security.md).
 - meta.py       PullMeta (scheduler → worker each step), prompt digest.
-- connector.py  assembly: `make` builds PullScheduler and PullWorker (the shared
-                `kvconnector.worker.NixlWorker` with Lender and Reader) around one
-                `kvconnector.endpoint.Endpoint`.
+- connector.py  assembly: `make_scheduler` builds PullScheduler, `make_worker` PullWorker
+                (the shared `kvconnector.worker.NixlWorker` with Lender and Reader).
 - thread.py     PullThread — the shared transfer thread's pull routes (`nixl-pull-transfer`).
 - lender.py     P side: leases, heartbeats, completions, expiry.
 - reader.py     D side: claims, handshakes (kvconnector.peers.Peers), READs, heartbeats.

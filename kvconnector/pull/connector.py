@@ -2,8 +2,8 @@
 
 Assembly only: the scheduler half is `PullScheduler`; the worker half is the shared
 `NixlWorker` shell with pull mode's halves (`Lender` for P, `Reader` for D) on the
-`nixl-pull-transfer` thread. Both halves share one `Endpoint`: the worker binds the side
-channel there, the scheduler advertises it in P's kv_transfer_params.
+`nixl-pull-transfer` thread. The worker binds the side channel at its `Endpoint`; the
+scheduler half advertises what it bound (`bind_workers`) in P's kv_transfer_params.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kvconnector.pull.scheduler import PullScheduler
 from kvconnector.pull.thread import PullThread
 from kvconnector.worker import NixlWorker
 
-__all__ = ["PullWorker", "make", "make_scheduler", "make_worker", "request_params_validator"]
+__all__ = ["PullWorker", "make_scheduler", "make_worker", "request_params_validator"]
 
 
 def _new_stats() -> dict[str, float]:
@@ -44,12 +44,6 @@ class PullWorker(NixlWorker):
                         bytes_per_block=self.spec.bytes_per_block, stats=stats,
                         stall_warning_s=self.lease)
         return PullThread(transport, peers, lender, reader, wake, clock)
-
-
-def make(config: EngineConfig, spec: KVCacheSpec) -> tuple[PullScheduler, PullWorker]:
-    """Both halves of one engine's connector (`engine.connector_registry.make_connector`)."""
-    endpoint = Endpoint.from_config(config.kv_transfer_config)
-    return PullScheduler(config, spec, endpoint=endpoint), PullWorker(config, spec, endpoint)
 
 
 def make_scheduler(config: EngineConfig, spec: KVCacheSpec) -> PullScheduler:

@@ -53,12 +53,11 @@ class PullScheduler(TransferScheduler):
 
     def __init__(self, config: EngineConfig, spec: KVCacheSpec,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time,
-                 endpoint: Endpoint | None = None) -> None:
+                 wall_clock: Callable[[], float] = time.time) -> None:
         super().__init__(config, spec, clock)
         kv = self.kv
         self.wall_clock = wall_clock  # lease_expires_at crosses hosts: wall time
-        self.endpoint = endpoint or Endpoint.from_config(kv)  # the worker binds its port
+        self.endpoint = Endpoint.from_config(kv)  # until bind_workers: what the worker bound
         self.security = KVSecurity.from_config(kv, warn=False)
         self.lease = float(kv.extra("kv_lease_duration", 30.0))
         self._accepted: dict[str, Claim] = {}  # D: claim made, READ not over

@@ -25,12 +25,6 @@ class PullSpec(NixlSpec):
 
         return request_params_validator(config)
 
-    def make(self, config: ConnectorConfig, cache: KVCacheSpec
-             ) -> tuple[KVConnectorScheduler, KVConnectorWorker]:
-        from kvconnector.pull.connector import make
-
-        return make(config, cache)  # type: ignore[arg-type]
-
     def make_scheduler(self, config: ConnectorConfig, cache: KVCacheSpec
                        ) -> KVConnectorScheduler:
         from kvconnector.pull.connector import make_scheduler

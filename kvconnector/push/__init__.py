@@ -9,8 +9,8 @@ Modules:
                 blocks (P and D) are freed only when the worker reports the id in
                 `finished_sending` — only the worker knows when no WRITE can touch them.
 - meta.py       PushMeta — what the scheduler half hands the worker each step.
-- connector.py  assembly: `make` builds PushScheduler and PushWorker (the shared
-                `kvconnector.worker.NixlWorker` with Sender and Receiver).
+- connector.py  assembly: `make_scheduler` builds PushScheduler, `make_worker` PushWorker
+                (the shared `kvconnector.worker.NixlWorker` with Sender and Receiver).
 - thread.py     PushThread — the shared transfer thread's push routes (`nixl-push-transfer`):
                 which metadata field and which notification goes to which half.
 - sender.py     P side: one `Staged` per P request, in one `SendState` (STAGED, MATCHED,

@@ -26,8 +26,7 @@ from kvconnector.push.thread import PushThread
 from kvconnector.security import KVSecurity
 from kvconnector.worker import NixlWorker
 
-__all__ = ["PushWorker", "make", "make_scheduler", "make_worker",
-           "request_params_validator"]
+__all__ = ["PushWorker", "make_scheduler", "make_worker", "request_params_validator"]
 
 
 DEFAULT_UNKNOWN_TRANSFER_TIMEOUT_S = 10.0
@@ -80,12 +79,6 @@ class PushWorker(NixlWorker):
                                    "kv_push_cancel_acks_received_total": 0},
                             tp_rank=self.tp_rank, tp_size=self.tp_size)
         return PushThread(transport, peers, sender, receiver, wake, clock)
-
-
-def make(config: EngineConfig, spec: KVCacheSpec) -> tuple[PushScheduler, PushWorker]:
-    """Both halves of one engine's connector (`engine.connector_registry.make_connector`)."""
-    endpoint = Endpoint.from_config(config.kv_transfer_config)
-    return PushScheduler(config, spec), PushWorker(config, spec, endpoint)
 
 
 def make_worker(config: EngineConfig, spec: KVCacheSpec, tp_rank: int) -> PushWorker:

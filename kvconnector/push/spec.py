@@ -22,12 +22,6 @@ class PushSpec(NixlSpec):
 
         return request_params_validator(config)  # type: ignore[arg-type]
 
-    def make(self, config: ConnectorConfig, cache: KVCacheSpec
-             ) -> tuple[KVConnectorScheduler, KVConnectorWorker]:
-        from kvconnector.push.connector import make
-
-        return make(config, cache)  # type: ignore[arg-type]
-
     def make_scheduler(self, config: ConnectorConfig, cache: KVCacheSpec
                        ) -> KVConnectorScheduler:
         from kvconnector.push.connector import make_scheduler
