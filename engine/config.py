@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.connector_registry import spec_for
+from engine.kv_events import KVEventsConfig
 from engine.kv_transfer_config import KVTransferConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -35,6 +36,7 @@ class EngineConfig:
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
     kv_transfer_config: KVTransferConfig | None = None
+    kv_events_config: KVEventsConfig | None = None  # vLLM's --kv-events-config (JSON)
     # Data parallel (engine/dp/ runs it): engines per server, this server's rank
     # behind an external balancer, and whether engines must step in lockstep (waves).
     data_parallel_size: int = 1
@@ -80,6 +82,9 @@ class EngineConfig:
             object.__setattr__(
                 self, "kv_transfer_config", KVTransferConfig.from_json(self.kv_transfer_config)
             )
+        if isinstance(self.kv_events_config, (str, dict)):
+            object.__setattr__(
+                self, "kv_events_config", KVEventsConfig.from_json(self.kv_events_config))
         _validate_dp(self)
         spec = spec_for(self)  # an unknown connector is a ValueError naming the known ones
         if spec is not None:

@@ -34,9 +34,11 @@ from proxy.config import ProxyConfig
 from proxy.errors import ProxyError, error_body
 from proxy.flow import ClientGone, Dispatcher, RequestContext
 from proxy.kv_info import KVInfoCache
+from proxy.kv_subscriber import EventSubscriber
 from proxy.legs import CHAT, COMPLETIONS, ROUTE_PATHS, new_id
 from proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from proxy.relay import wait_for_disconnect
+from proxy.routing import build_router
 
 logger = logging.getLogger("pdserve.proxy")
 
@@ -61,6 +63,7 @@ class ProxyState:
         self.control: httpx.AsyncClient | None = None
         self.dispatcher: Dispatcher | None = None
         self.health: HealthMonitor | None = None
+        self.subscribers: list[EventSubscriber] = []
 
     async def start(self) -> None:
         c = self.config
@@ -81,8 +84,12 @@ class ProxyState:
         )
         kv_info = KVInfoCache(self.control, timeout=c.health_timeout, headers=self.backend_auth)
         self.prefill.on_transition(lambda backend: kv_info.invalidate(backend.url))
+        self.router, self.subscribers = build_router(c, self.prefill, self.decode,
+                                                     self.metrics.registry)
+        for subscriber in self.subscribers:
+            subscriber.start()
         self.dispatcher = Dispatcher(c, self.client, self.prefill, self.decode, kv_info,
-                                     self.metrics)
+                                     self.metrics, self.router)
         self.health = HealthMonitor([self.prefill, self.decode], self.control,
                                     interval=c.health_interval, timeout=c.health_timeout,
                                     headers=self.backend_auth)
@@ -92,6 +99,8 @@ class ProxyState:
                     list(c.prefill_urls), list(c.decode_urls))
 
     async def stop(self) -> None:
+        for subscriber in self.subscribers:
+            await subscriber.stop()
         if self.health is not None:
             await self.health.stop()
         if self.dispatcher is not None:

@@ -32,6 +32,7 @@ class Backend:
     healthy: bool = False
     outstanding: int = 0
     last_error: str = "not checked yet"
+    pending_tokens: int = 0  # prompt tokens of the legs in flight (proxy/routing.py)
     # data-parallel prefill servers: outstanding legs per rank, and where ties start
     rank_outstanding: dict[int, int] = field(default_factory=dict)
     rank_cursor: int = 0
@@ -40,12 +41,13 @@ class Backend:
 class Lease:
     """One leg's claim on a backend; `release()` is idempotent so every exit path may call it."""
 
-    __slots__ = ("backend", "pool", "rank", "_released")
+    __slots__ = ("backend", "pool", "rank", "tokens", "_released")
 
-    def __init__(self, pool: BackendPool, backend: Backend) -> None:
+    def __init__(self, pool: BackendPool, backend: Backend, tokens: int = 0) -> None:
         self.backend = backend
         self.pool = pool
         self.rank: int | None = None  # the data-parallel rank the leg is pinned to
+        self.tokens = tokens  # counted in backend.pending_tokens until released
         self._released = False
 
     @property
@@ -55,6 +57,7 @@ class Lease:
     def release(self) -> None:
         if not self._released:
             self._released = True
+            self.backend.pending_tokens -= self.tokens
             self.pool._release(self.backend, self.rank)
 
     def pin_rank(self, ranks: Sequence[int]) -> int:
@@ -116,10 +119,21 @@ class BackendPool:
                 best = b
         if best is None:
             return None
-        self._cursor = (self.backends.index(best) + 1) % n
-        best.outstanding += 1
-        self._metrics.outstanding.labels(url=best.url).set(best.outstanding)
-        return Lease(self, best)
+        return self.lease(best)
+
+    def lease(self, backend: Backend, tokens: int = 0) -> Lease:
+        """Lease `backend` (a routing policy chose it); ties of later choices start after it.
+        `tokens`: the leg's prompt tokens still to compute, counted in `pending_tokens`."""
+        self._cursor = (self.backends.index(backend) + 1) % len(self.backends)
+        backend.outstanding += 1
+        backend.pending_tokens += tokens
+        self._metrics.outstanding.labels(url=backend.url).set(backend.outstanding)
+        return Lease(self, backend, tokens)
+
+    @property
+    def cursor(self) -> int:
+        """Where ties start: the backend after the last one leased (round-robin)."""
+        return self._cursor
 
     def _release(self, backend: Backend, rank: int | None = None) -> None:
         if rank is not None:

@@ -7,7 +7,7 @@ import logging
 import socket
 import sys
 
-from proxy.config import MODES, P_FAILURE_POLICIES, ProxyConfig
+from proxy.config import MODES, P_FAILURE_POLICIES, ROUTING_POLICIES, ProxyConfig
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +41,32 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="largest accepted request body (default: 8 MiB)")
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"))
+    add_routing_args(parser)
+
+
+def add_routing_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--routing", choices=ROUTING_POLICIES, default="kv-aware",
+                        help="how P and D are chosen: kv-aware scores each by its cached "
+                        "prefix against its load (default), least-outstanding, round-robin")
+    parser.add_argument("--tokenizer", default=None, metavar="MODEL",
+                        help="the served model (directory or .gguf): the proxy tokenizes "
+                        "prompts once to match them against the caches (kv-aware); "
+                        "without it kv-aware routes by load alone")
+    parser.add_argument("--kv-events", action="append", default=[],
+                        metavar="URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]",
+                        help="a backend's KV event publisher (its --kv-events-config "
+                        "endpoint, optional replay endpoint), one per data-parallel rank "
+                        "(repeatable); backends without one are tracked by what was routed")
+    parser.add_argument("--kv-events-topic", default="", help="topic of the KV events")
+    parser.add_argument("--disagg-min-tokens", type=int, default=0, metavar="N",
+                        help="kv-aware: a request whose uncached part on D is below N "
+                        "tokens runs on D alone (default 0: always disaggregate)")
+    parser.add_argument("--prefill-max-outstanding", type=int, default=0, metavar="N",
+                        help="kv-aware: a P with N legs in flight is saturated; when every "
+                        "P is, requests run on D alone (default 0: never)")
+    parser.add_argument("--decode-max-outstanding", type=int, default=0, metavar="N",
+                        help="kv-aware: a D with N legs in flight has no room for a "
+                        "request alone (default 0: no limit)")
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -57,6 +83,13 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         health_interval=args.health_interval,
         health_timeout=args.health_timeout,
         max_body_bytes=args.max_request_bytes,
+        routing=args.routing,
+        tokenizer=args.tokenizer,
+        kv_events=tuple(args.kv_events),
+        kv_events_topic=args.kv_events_topic,
+        disagg_min_tokens=args.disagg_min_tokens,
+        prefill_max_outstanding=args.prefill_max_outstanding,
+        decode_max_outstanding=args.decode_max_outstanding,
     )
 
 

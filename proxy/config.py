@@ -7,6 +7,7 @@ from urllib.parse import urlsplit
 
 MODES = ("push", "pull")
 P_FAILURE_POLICIES = ("recompute", "cancel")
+ROUTING_POLICIES = ("kv-aware", "least-outstanding", "round-robin")  # proxy/routing.py
 
 
 def normalize_url(url: str) -> str:
@@ -22,6 +23,26 @@ def normalize_url(url: str) -> str:
     except ValueError as exc:
         raise ValueError(f"backend URL has a bad port: {url!r}") from exc
     return text
+
+
+@dataclass(frozen=True)
+class EventSource:
+    """One publisher: the backend it describes, its PUB and (optional) replay address."""
+
+    url: str
+    endpoint: str
+    replay_endpoint: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> EventSource:
+        """`URL=tcp://host:port[,tcp://host:replay_port]` (the --kv-events flag)."""
+        url, sep, rest = text.partition("=")
+        addrs = rest.split(",") if sep else []
+        if not sep or not 1 <= len(addrs) <= 2 or not all(
+                a.startswith(("tcp://", "ipc://")) for a in addrs):
+            raise ValueError(f"--kv-events wants URL=tcp://host:port[,tcp://host:port] "
+                             f"(publisher, optional replay), got {text!r}")
+        return cls(normalize_url(url), addrs[0], addrs[1] if len(addrs) == 2 else None)
 
 
 @dataclass(frozen=True)
@@ -46,6 +67,14 @@ class ProxyConfig:
     connect_timeout: float = 5.0
     max_body_bytes: int = 8 * 1024 * 1024
     max_connections: int = 1024
+    # routing (proxy/routing.py): the policy, its tokenizer, KV event publishers, thresholds
+    routing: str = "kv-aware"
+    tokenizer: str | None = None
+    kv_events: tuple[str, ...] = ()  # URL=tcp://host:port[,tcp://host:replay_port]
+    kv_events_topic: str = ""
+    disagg_min_tokens: int = 0
+    prefill_max_outstanding: int = 0
+    decode_max_outstanding: int = 0
 
     def __post_init__(self) -> None:
         for name in ("prefill_urls", "decode_urls"):
@@ -70,5 +99,23 @@ class ProxyConfig:
         for name in ("max_body_bytes", "max_connections"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        _validate_routing(self)
         if self.api_key is not None and not self.api_key:
             object.__setattr__(self, "api_key", None)
+
+
+def _validate_routing(config: ProxyConfig) -> None:
+    """The routing settings (proxy/routing.py)."""
+    if config.routing not in ROUTING_POLICIES:
+        raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {config.routing!r}")
+    for name in ("disagg_min_tokens", "prefill_max_outstanding", "decode_max_outstanding"):
+        if int(getattr(config, name)) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(config, name)!r}")
+    if config.routing != "kv-aware" and (config.disagg_min_tokens
+                                         or config.prefill_max_outstanding):
+        raise ValueError("disagg_min_tokens and prefill_max_outstanding need routing kv-aware")
+    for text in config.kv_events:
+        source = EventSource.parse(text)
+        if source.url not in config.prefill_urls + config.decode_urls:
+            raise ValueError(f"--kv-events names {source.url}, which is no --prefill or "
+                             "--decode backend")

@@ -28,6 +28,7 @@ from proxy.config import ProxyConfig
 from proxy.errors import ProxyError
 from proxy.kv_info import KVInfoCache, KVInfoError, PrefillCoordinates
 from proxy.legs import (
+    CHAT,
     DecodeStream,
     PrefillResult,
     cancel_and_wait,
@@ -43,6 +44,8 @@ from proxy.legs import (
 )
 from proxy.metrics import ProxyMetrics
 from proxy.relay import COMPLETED, RelayResponse
+from proxy.retry import RetryPair, RetryPolicy
+from proxy.routing import RequestView, Route, Router
 
 logger = logging.getLogger("pdserve.proxy")
 
@@ -62,6 +65,7 @@ class RequestContext:
     deadline: float
     disconnect: asyncio.Future[None]  # done when the client has gone
     engine_request_id: str = ""  # the legs' X-Request-Id, fresh per request
+    retry_open: bool = False  # a failed leg may go to another pair (proxy/retry.py)
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -79,14 +83,17 @@ class Dispatcher:
         decode: BackendPool,
         kv_info: KVInfoCache,
         metrics: ProxyMetrics,
+        router: Router,
     ) -> None:
         self.config = config
+        self.router = router
         self.client = client
         self.prefill = prefill
         self.decode = decode
         self.kv_info = kv_info
         self.metrics = metrics
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.retry = RetryPolicy(config.retries, metrics)
 
     # ---- entry ------------------------------------------------------------------------------
 
@@ -95,8 +102,8 @@ class Dispatcher:
         logger.debug("request %s: engine request id %s", ctx.request_id,
                      ctx.engine_request_id)
         if self.config.mode == "push":
-            return await self._push(ctx)
-        return await self._pull(ctx)
+            return await self.retry.run(ctx, lambda: self._push(ctx))
+        return await self.retry.run(ctx, lambda: self._pull(ctx))
 
     async def shutdown(self) -> None:
         tasks = list(self._tasks)
@@ -107,12 +114,15 @@ class Dispatcher:
     # ---- push: both legs at once --------------------------------------------------------
 
     async def _push(self, ctx: RequestContext) -> Response:
+        route, view = self._route(ctx)
+        if route.alone:
+            return await self._run_decode_alone(ctx, route, view)
         try:
-            p_lease, coords = await self._choose_prefill_with_info(ctx)
+            p_lease, coords = await self._choose_prefill_with_info(ctx, route, view)
         except ProxyError as error:
             return await self._decode_alone(ctx, error)
         coords = pin_prefill_rank(p_lease, coords)
-        d_lease = self.decode.choose()
+        d_lease = self.router.lease_decode(route, view, p_lease)
         if d_lease is None:
             p_lease.release()
             raise self._no_healthy(ctx, self.decode)
@@ -128,12 +138,12 @@ class Dispatcher:
         return self._relay(ctx, stream, prefill)
 
     async def _choose_prefill_with_info(
-        self, ctx: RequestContext
+        self, ctx: RequestContext, route: Route, view: RequestView
     ) -> tuple[Lease, PrefillCoordinates]:
         tried: list[Any] = []
         errors: list[str] = []
         while True:
-            lease = self.prefill.choose(exclude=tried)
+            lease = self.router.lease_prefill(route, view, exclude=tried)
             if lease is None:
                 raise self._no_healthy(ctx, self.prefill, errors)
             try:
@@ -148,7 +158,10 @@ class Dispatcher:
     # ---- pull: P first, then D with P's kv_transfer_params -----------------------------
 
     async def _pull(self, ctx: RequestContext) -> Response:
-        p_lease = self.prefill.choose()
+        route, view = self._route(ctx)
+        if route.alone:
+            return await self._run_decode_alone(ctx, route, view)
+        p_lease = self.router.lease_prefill(route, view)
         if p_lease is None:
             return await self._decode_alone(ctx, self._no_healthy(ctx, self.prefill))
         coords = await self._kv_info(ctx, p_lease, self.kv_info.get_optional(p_lease.url))
@@ -168,7 +181,7 @@ class Dispatcher:
         error = self._judge(ctx, result)
         if error is not None:
             raise error
-        d_lease = self.decode.choose()
+        d_lease = self.router.lease_decode(route, view, p_lease)
         if d_lease is None:
             raise self._no_healthy(ctx, self.decode)
         d_body = decode_leg_body(ctx.body, kv_params)
@@ -189,6 +202,27 @@ class Dispatcher:
         self.metrics.prefill_failures.labels(action="decode_alone").inc()
         logger.warning("request %s: %s; decode computes the prompt itself "
                        "(--p-failure-policy recompute)", ctx.request_id, no_prefill.message)
+        return await self._open_alone(ctx, d_lease)
+
+    def _route(self, ctx: RequestContext) -> tuple[Route, RequestView]:
+        """The routing policy's choice (proxy/routing.py); a 503 when no D is healthy."""
+        routed = self.router.route(ctx.body, ctx.route == CHAT)
+        if routed is None:
+            raise self._no_healthy(ctx, self.decode)
+        return routed
+
+    async def _run_decode_alone(self, ctx: RequestContext, route: Route, view: RequestView
+                                ) -> Response:
+        """Conditional disaggregation: the policy sent the request to D alone, which
+        prefills it locally (`route.reason`: short_uncached, prefill_saturated)."""
+        d_lease = self.router.lease_decode(route, view, None)
+        if d_lease is None:
+            raise self._no_healthy(ctx, self.decode)
+        logger.debug("request %s: decode %s alone (%s)", ctx.request_id, d_lease.url,
+                     route.reason)
+        return await self._open_alone(ctx, d_lease)
+
+    async def _open_alone(self, ctx: RequestContext, d_lease: Lease) -> Response:
         opening = self._spawn_decode(ctx, d_lease, decode_leg_body(ctx.body, None))
         stream = await self._await_decode(ctx, opening, None, d_lease.url)
         return self._relay(ctx, stream, None)
@@ -241,6 +275,8 @@ class Dispatcher:
         if result.client_error:
             self.metrics.prefill_failures.labels(action="client_error").inc()
             return result.to_client_error(ctx.request_id)
+        if ctx.retry_open:  # the client has no byte yet: another pair first
+            raise RetryPair("prefill", result.url, result.error)
         if self.config.p_failure_policy == "cancel":
             self.metrics.prefill_failures.labels(action="cancel").inc()
             return ProxyError(
@@ -308,6 +344,8 @@ class Dispatcher:
     def _relay(
         self, ctx: RequestContext, stream: DecodeStream, prefill: asyncio.Task[PrefillResult] | None
     ) -> RelayResponse:
+        ctx.retry_open = False  # from here on the client may have bytes
+
         def on_first_byte() -> None:
             self.metrics.ttft.observe(time.monotonic() - ctx.started)
 

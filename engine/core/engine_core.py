@@ -17,6 +17,7 @@ import msgspec
 from engine.config import EngineConfig
 from engine.connector_registry import make_scheduler_half
 from engine.executor.protocol import Executor, make_executor
+from engine.kv_events import KVEventRecorder, ZmqEventPublisher, prefix_cache_digest
 from engine.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -58,6 +59,12 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             connector=connector,
         )
+        self.kv_events: tuple[KVEventRecorder, ZmqEventPublisher] | None = None
+        if config.kv_events_config is not None and config.kv_events_config.enabled:
+            recorder = KVEventRecorder(config.block_size)
+            self.scheduler.kv_cache_manager.block_pool.events = recorder
+            self.kv_events = (recorder, ZmqEventPublisher(config.kv_events_config,
+                                                          config.data_parallel_rank or 0))
         freeze_startup_objects()
         logger.info("engine core ready: %d KV blocks of %d tokens", self.num_kv_blocks,
                     config.block_size)
@@ -75,6 +82,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._publish_kv_events()
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.time()
         )
@@ -102,7 +110,15 @@ class EngineCore:
 
     # Utility calls (also reachable over the utility RPC of EngineCoreProc).
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+        ok = self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()
+        return ok
+
+    def _publish_kv_events(self) -> None:
+        """One batch per step that changed the prefix cache (--kv-events-config)."""
+        if self.kv_events is not None and self.kv_events[0].events:
+            recorder, publisher = self.kv_events
+            publisher.publish(recorder.take())
 
     def get_supported_tasks(self) -> list[str]:
         return ["generate"]
@@ -120,6 +136,7 @@ class EngineCore:
             "num_free_blocks": self.scheduler.kv_cache_manager.num_free_blocks,
             "num_unfinished_requests": self.scheduler.get_num_unfinished_requests(),
             "num_runner_requests": self.executor.num_requests,
+            **prefix_cache_digest(self.scheduler.kv_cache_manager.block_pool.cached_hashes()),
         }
         if self.executor.worker_pids:
             stats["tp_worker_pids"] = list(self.executor.worker_pids)
@@ -138,4 +155,6 @@ class EngineCore:
         return [base64.b64encode(r).decode() for r in raw]
 
     def shutdown(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events[1].shutdown()
         self.executor.shutdown()

@@ -17,9 +17,22 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 BlockHash = int
 HashFn = Callable[[BlockHash | None, Sequence[int]], BlockHash]
+
+
+class CacheEventSink(Protocol):
+    """Told, on the engine-core thread, each time a block gains or loses its hash
+    (engine/kv_events.KVEventRecorder publishes them)."""
+
+    def stored(self, block_hash: BlockHash, parent_hash: BlockHash | None,
+               token_ids: tuple[int, ...]) -> None: ...
+
+    def removed(self, block_hash: BlockHash) -> None: ...
+
+    def cleared(self) -> None: ...
 
 
 def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
@@ -54,6 +67,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
+        self.events: CacheEventSink | None = None  # KV events (--kv-events-config), else None
 
     # ---- accounting -------------------------------------------------------------------
 
@@ -68,6 +82,9 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    def cached_hashes(self) -> list[BlockHash]:
+        return list(self._cached)
 
     # ---- allocation ---------------------------------------------------------------------
 
@@ -138,6 +155,8 @@ class BlockPool:
         block.parent_hash = parent_hash
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash, parent_hash, block.token_ids)
         return True
 
     def reset_prefix_cache(self) -> bool:
@@ -147,6 +166,8 @@ class BlockPool:
         for block in self._cached.values():
             block.reset_hash()
         self._cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def _evict(self, block: KVBlock) -> None:
@@ -154,4 +175,6 @@ class BlockPool:
             return
         if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
         block.reset_hash()

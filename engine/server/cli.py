@@ -40,7 +40,7 @@ _ENGINE_FLAGS = (
     "tensor_parallel_size", "enable_prefix_caching",
     *("data_parallel_size", "data_parallel_rank", "data_parallel_external_lb",
       "data_parallel_lockstep"),
-    "heartbeat_timeout_s", "step_timeout_s", "startup_stage_timeout_s",
+    "heartbeat_timeout_s", "step_timeout_s", "startup_stage_timeout_s", "kv_events_config",
 )
 
 
@@ -78,6 +78,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
                         help='e.g. \'{"kv_connector": NAME, "kv_role": …}\' (NAME: '
                              'a registered connector)')
+    parser.add_argument("--kv-events-config", default=None, metavar="JSON",
+                        help="publish prefix-cache events over ZeroMQ, as vLLM does: "
+                        '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+                        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' '
+                        "(each data-parallel rank at port + rank; off by default)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--kv-secret", default=None,
                         help="shared secret of the KV path (or PDSERVE_KV_SECRET); see "
