@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
+import sys
 import uuid
 
+from cluster.args import add_etcd_args, etcd_target, signing_secret
+from cluster.registrar import Registrar
 from engine.net import free_port
 
 
@@ -27,6 +31,13 @@ def add_role_args(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--engine-id", default=None, help="this engine's id (default: random)")
     parser.add_argument("--kv-extra-config", default=None,
                         help="JSON merged into kv_connector_extra_config")
+    add_etcd_args(parser)
+    parser.add_argument("--advertise-host", default=None,
+                        help="host in the URL registered with --discovery (default: --host, "
+                        "or this machine's name when --host is a wildcard)")
+    parser.add_argument("--discovery-ttl", type=int, default=5, metavar="S",
+                        help="lease TTL of the etcd registration: a killed engine leaves "
+                        "the proxies' pools within it (default: 5)")
     parser.set_defaults(_role=role)
 
 
@@ -53,8 +64,29 @@ def role_kv_config(args: argparse.Namespace, role: str) -> str:
     return json.dumps(config)
 
 
+def registrar(args: argparse.Namespace, role: str) -> Registrar | None:
+    """The etcd registration of this server (None without --discovery)."""
+    target = etcd_target(args)
+    if target is None:
+        return None
+    wildcard = args.host in ("", "0.0.0.0", "::")
+    host = args.advertise_host or (socket.getfqdn() if wildcard else args.host)
+    host = f"[{host}]" if ":" in host else host
+    local = "127.0.0.1" if wildcard else args.host
+    local = f"[{local}]" if ":" in local else local
+    return Registrar(target, cluster=args.cluster, role=role, url=f"http://{host}:{args.port}",
+                     model=args.served_model_name or args.model,
+                     local_url=f"http://{local}:{args.port}", api_key=args.api_key,
+                     secret=signing_secret(args.kv_secret), ttl=args.discovery_ttl)
+
+
 def run_role(args: argparse.Namespace, role: str) -> int:
     from engine.server.cli import serve_main
 
     args.kv_transfer_config = role_kv_config(args, role)
-    return serve_main(args) or 0
+    try:
+        companion = registrar(args, role)
+    except ValueError as exc:
+        print(f"pdserve {role}: error: {exc}", file=sys.stderr)
+        return 2
+    return serve_main(args, companions=[companion] if companion else []) or 0

@@ -31,6 +31,7 @@ from starlette.responses import Response
 from engine.server.body_check import body_problem
 from proxy.backends import DECODE, PREFILL, BackendPool, HealthMonitor
 from proxy.config import ProxyConfig
+from proxy.discovery import Membership, start_membership
 from proxy.errors import ProxyError, error_body
 from proxy.flow import ClientGone, Dispatcher, RequestContext
 from proxy.kv_info import KVInfoCache
@@ -63,6 +64,7 @@ class ProxyState:
         self.control: httpx.AsyncClient | None = None
         self.dispatcher: Dispatcher | None = None
         self.health: HealthMonitor | None = None
+        self.membership: Membership | None = None
         self.subscribers: list[EventSubscriber] = []
 
     async def start(self) -> None:
@@ -95,10 +97,16 @@ class ProxyState:
                                     headers=self.backend_auth)
         await self.health.check_once()
         self.health.start()
+        if c.discovery:
+            self.membership = start_membership(c, self.prefill, self.decode, self.health,
+                                               self.metrics)
+            await self.membership.start(first_sync_timeout=c.health_timeout)
         logger.info("proxy (%s mode) prefill=%s decode=%s", c.mode,
                     list(c.prefill_urls), list(c.decode_urls))
 
     async def stop(self) -> None:
+        if self.membership is not None:
+            await self.membership.stop()
         for subscriber in self.subscribers:
             await subscriber.stop()
         if self.health is not None:

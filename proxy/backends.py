@@ -179,6 +179,27 @@ class BackendPool:
                 url=backend.url, role=self.role, reason="health_check").inc()
         self.set_health(backend, ok, reason)
 
+    def add(self, url: str) -> Backend | None:
+        """Put a backend into the pool, out of rotation until its first health check passes
+        (membership: proxy/discovery.py). None if the pool has it already."""
+        if any(b.url == url for b in self.backends):
+            return None
+        backend = Backend(url, self.role)
+        self.backends.append(backend)
+        self._metrics.backend_healthy.labels(url=url, role=self.role).set(0)
+        self._metrics.outstanding.labels(url=url).set(0)
+        return backend
+
+    def remove(self, url: str, reason: str) -> None:
+        """Take a backend out of the pool (its registration is gone); legs in flight keep
+        their leases, whose release still balances its counts."""
+        backend = next((b for b in self.backends if b.url == url), None)
+        if backend is None:
+            return
+        self.set_health(backend, False, reason)
+        self.backends.remove(backend)
+        self._cursor = 0
+
 
 class HealthMonitor:
     """Polls `GET /health` of every backend every `interval` seconds; 200 means in rotation."""

@@ -4,17 +4,26 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 
+from cluster.args import SECRET_ENV, add_etcd_args
 from proxy.config import MODES, P_FAILURE_POLICIES, ROUTING_POLICIES, ProxyConfig
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prefill", action="append", required=True, metavar="URL",
+    parser.add_argument("--prefill", action="append", default=[], metavar="URL",
                         help="a prefill (P) server, e.g. http://10.0.0.1:8100 (repeatable)")
-    parser.add_argument("--decode", action="append", required=True, metavar="URL",
+    parser.add_argument("--decode", action="append", default=[], metavar="URL",
                         help="a decode (D) server (repeatable)")
+    add_etcd_args(parser)  # --discovery: the pools follow the engines registered in etcd
+    parser.add_argument("--kv-secret", default=None,
+                        help="with --discovery: route only to registrations signed with this "
+                        "secret (the engines' KV secret; or PDSERVE_KV_SECRET)")
+    parser.add_argument("--retries", type=int, default=2,
+                        help="a request whose P or D fails before the client got a byte is "
+                        "sent to another pair, at most this many more times (default: 2)")
     parser.add_argument("--mode", choices=MODES, default="push",
                         help="push: both legs at once, P writes KV into D; "
                         "pull: P first, then D reads KV (default: push)")
@@ -83,6 +92,13 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         health_interval=args.health_interval,
         health_timeout=args.health_timeout,
         max_body_bytes=args.max_request_bytes,
+        discovery=args.discovery,
+        cluster=args.cluster,
+        etcd_ca=args.etcd_ca,
+        etcd_cert=args.etcd_cert,
+        etcd_key=args.etcd_key,
+        registration_secret=args.kv_secret or os.environ.get(SECRET_ENV) or None,
+        retries=args.retries,
         routing=args.routing,
         tokenizer=args.tokenizer,
         kv_events=tuple(args.kv_events),

@@ -67,6 +67,14 @@ class ProxyConfig:
     connect_timeout: float = 5.0
     max_body_bytes: int = 8 * 1024 * 1024
     max_connections: int = 1024
+    # membership from etcd (proxy/discovery.py) instead of the static lists
+    discovery: str | None = None  # etcd[s]://[user[:password]@]host:port
+    cluster: str = "default"
+    etcd_ca: str | None = None
+    etcd_cert: str | None = None
+    etcd_key: str | None = None
+    registration_secret: str | None = None  # verifies signed registrations (the KV secret)
+    retries: int = 2  # further pairs a request may try before the client has a byte
     # routing (proxy/routing.py): the policy, its tokenizer, KV event publishers, thresholds
     routing: str = "kv-aware"
     tokenizer: str | None = None
@@ -77,10 +85,14 @@ class ProxyConfig:
     decode_max_outstanding: int = 0
 
     def __post_init__(self) -> None:
+        if self.discovery and (self.prefill_urls or self.decode_urls):
+            raise ValueError("--discovery replaces --prefill/--decode: give one or the other")
+        if int(self.retries) < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries!r}")
         for name in ("prefill_urls", "decode_urls"):
             urls = tuple(normalize_url(u) for u in getattr(self, name))
-            if not urls:
-                raise ValueError(f"{name} needs at least one backend URL")
+            if not urls and not self.discovery:
+                raise ValueError(f"{name} needs at least one backend URL (or use --discovery)")
             if len(set(urls)) != len(urls):
                 raise ValueError(f"{name} lists a backend URL twice: {list(urls)}")
             object.__setattr__(self, name, urls)

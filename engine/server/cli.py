@@ -19,8 +19,8 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Generator, Mapping
-from typing import Any
+from collections.abc import Generator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import uvloop
 
@@ -30,6 +30,9 @@ from engine.connector_registry import spec_for
 from engine.dp.config import local_ranks, rank_config
 from engine.server.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
 from engine.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from engine.server.uvicorn_server import ServerCompanion
 
 logger = logging.getLogger("pdserve.server")
 
@@ -240,9 +243,10 @@ def check_side_channel_ports(config: EngineConfig) -> None:
                     "choose another --kv-port") from None
 
 
-def serve_main(args: argparse.Namespace, *, role_defaults: Mapping[str, Any] | None = None
-               ) -> int:
-    """Entry point of `pdserve serve` (and of the P/D roles). Returns the exit status."""
+def serve_main(args: argparse.Namespace, *, role_defaults: Mapping[str, Any] | None = None,
+               companions: Sequence[ServerCompanion] = ()) -> int:
+    """Entry point of `pdserve serve` (and of the P/D roles). Returns the exit status.
+    `companions` start once the server listens and stop when it begins to drain."""
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stackdump.install()
@@ -263,7 +267,8 @@ def serve_main(args: argparse.Namespace, *, role_defaults: Mapping[str, Any] | N
         return 2
     with _exit_on_signal():
         try:
-            return uvloop.run(_serve(config, settings, args))  # libuv loop: less per-request cost
+            # libuv loop: less per-request cost
+            return uvloop.run(_serve(config, settings, args, companions))
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception:
@@ -311,7 +316,7 @@ def start_engine(config: EngineConfig, metrics: ServerMetrics) -> Any:
 
 
 async def _serve(config: EngineConfig, settings: ServerSettings,
-                 args: argparse.Namespace) -> int:
+                 args: argparse.Namespace, companions: Sequence[ServerCompanion] = ()) -> int:
     from engine.server.uvicorn_server import DrainingServer
 
     # Bind before the (slow) engine start: a taken port fails at once, and clients polling
@@ -334,10 +339,14 @@ async def _serve(config: EngineConfig, settings: ServerSettings,
         server = DrainingServer(app, host=args.host, port=args.port,
                                 drain_timeout=args.drain_timeout, log_level=args.log_level,
                                 access_log=args.access_log,
-                                on_drain_deadline=app.state.ctx.abort_all)
+                                on_drain_deadline=app.state.ctx.abort_all,
+                                companions=companions)
         logger.info("serving %s on http://%s:%d", config.model_name, args.host,
                     sock.getsockname()[1])
-        await server.serve(sockets=[sock])
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            await server.stop_companions()  # also when serving failed: a no-op if stopped
         # Requests cancelled by the drain backstop queued their aborts; let them reach the
         # core before it is told to stop (it would otherwise wait for them).
         await asyncio.sleep(0.1)

@@ -15,19 +15,31 @@ import contextlib
 import signal
 import socket
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 import uvicorn
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+class ServerCompanion(Protocol):
+    """Something that lives as long as the server serves (e.g. a membership registration):
+    `start()` once the server listens, `stop()` first thing when it begins to drain (before
+    in-flight requests finish). Both run on the server's event loop; `stop()` must be bounded
+    and may be called again (a no-op)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
 class DrainingServer(uvicorn.Server):
     def __init__(self, app: Any, *, host: str, port: int, drain_timeout: float,
                  log_level: str = "info", access_log: bool = False,
-                 on_drain_deadline: Callable[[], Any] | None = None) -> None:
+                 on_drain_deadline: Callable[[], Any] | None = None,
+                 companions: Sequence[ServerCompanion] = ()) -> None:
         config = uvicorn.Config(
             app, host=host, port=port, lifespan="off", log_level=log_level,
             access_log=access_log, timeout_graceful_shutdown=drain_timeout,
@@ -37,9 +49,21 @@ class DrainingServer(uvicorn.Server):
         self._app = app
         self._drain_timeout = drain_timeout
         self._on_drain_deadline = on_drain_deadline
+        self._companions = tuple(companions)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            for companion in self._companions:
+                await companion.start()
+
+    async def stop_companions(self) -> None:
+        for companion in self._companions:
+            await companion.stop()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self._app.state.draining = True
+        await self.stop_companions()  # e.g. deregister before the drain, not after it
         timer = None
         if self._on_drain_deadline is not None:
             early = self._drain_timeout - min(1.0, self._drain_timeout / 4)
