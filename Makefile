@@ -30,6 +30,9 @@ demo: models
 	$(BIN)/pdserve demo --model $(MODEL)
 
 test: models
+	# real etcd for the membership tests (Debian's etcd-server; skipped where it cannot install)
+	command -v etcd >/dev/null || apt-get install -y -q etcd-server >/dev/null || \
+		echo "etcd not installed: tests/membership skip"
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q tests
