@@ -72,20 +72,24 @@ class EventSubscriber:
         finally:
             sub.close(linger=0)
 
-    def _parse(self, frames: list[bytes]) -> tuple[int, KVEventBatch] | None:
+    def _parse(self, frames: list[bytes]) -> tuple[int, KVEventBatch | None] | None:
+        """(seq, batch); batch None when only the payload is malformed (its seq still
+        counts: replaying it would bring the same bytes). None when the frames are."""
         if len(frames) != 3 or len(frames[1]) != 8:
             self._count("malformed")
             return None
+        seq = int.from_bytes(frames[1], "big")
         try:
-            return int.from_bytes(frames[1], "big"), self._decoder.decode(frames[2])
+            return seq, self._decoder.decode(frames[2])
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self._count("malformed")
-            logger.warning("kv events from %s: malformed batch dropped: %s",
-                           self.source.endpoint, exc)
-            return None
+            logger.warning("kv events from %s: malformed batch %d dropped: %s",
+                           self.source.endpoint, seq, exc)
+            return seq, None
 
-    async def _accept(self, seq: int, batch: KVEventBatch) -> None:
-        self.rank = batch.data_parallel_rank or 0
+    async def _accept(self, seq: int, batch: KVEventBatch | None) -> None:
+        if batch is not None:
+            self.rank = batch.data_parallel_rank or 0
         if self.expected is not None and seq < self.expected:  # the publisher restarted
             self.metrics.kv_event_resyncs.labels(url=self.source.url, outcome="restart").inc()
             self.index.forget(self.source.url, self.rank)
@@ -95,10 +99,11 @@ class EventSubscriber:
             await self._resync(expected, seq)
         self._apply(seq, batch)
 
-    def _apply(self, seq: int, batch: KVEventBatch) -> None:
-        self.index.apply(self.source.url, batch.data_parallel_rank or 0, batch.events)
+    def _apply(self, seq: int, batch: KVEventBatch | None) -> None:
         self.expected = seq + 1
-        self._count("applied")
+        if batch is not None:
+            self.index.apply(self.source.url, batch.data_parallel_rank or 0, batch.events)
+            self._count("applied")
 
     async def _resync(self, first: int, upto: int) -> None:
         """Apply batches first..upto-1 from the replay socket, or drop the rank's view."""
@@ -116,13 +121,14 @@ class EventSubscriber:
         self._count("replayed", len(replayed))
         self.metrics.kv_event_resyncs.labels(url=self.source.url, outcome="replayed").inc()
 
-    async def _replay(self, first: int, upto: int) -> list[tuple[int, KVEventBatch]] | None:
+    async def _replay(self, first: int, upto: int
+                      ) -> list[tuple[int, KVEventBatch | None]] | None:
         """The consecutive batches first..upto-1 the publisher still buffers; None on timeout."""
         dealer = self._ctx.socket(zmq.DEALER)  # a fresh one: no stale answer can be read
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE_BYTES)
         dealer.connect(self.source.replay_endpoint)
-        got: list[tuple[int, KVEventBatch]] = []
+        got: list[tuple[int, KVEventBatch | None]] = []
 
         async def collect() -> None:
             await dealer.send_multipart((b"", first.to_bytes(8, "big")))

@@ -35,9 +35,14 @@ class CacheEventSink(Protocol):
     def cleared(self) -> None: ...
 
 
+_ROOT = 0x5EED  # the parent of a prompt's first block: hash(None) differs between processes
+
+
 def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Chained hash of one full block: depends on every token of the prefix it ends."""
-    return hash((parent_hash, tuple(token_ids)))
+    """Chained hash of one full block: depends on every token of the prefix it ends. The
+    same in every process (int tuples hash alike everywhere), so KV events name blocks a
+    router can recompute from token ids."""
+    return hash((_ROOT if parent_hash is None else parent_hash, tuple(token_ids)))
 
 
 @dataclass(eq=False)
