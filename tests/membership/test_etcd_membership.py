@@ -182,6 +182,14 @@ def _labelled(proxy: ServerProcess, name: str, reason: str) -> float:
                if line.startswith(name + "{") and f'reason="{reason}"' in line)
 
 
+def _routed_to(proxy: ServerProcess, url: str) -> float:
+    """Requests the proxy sent to decode backend `url` (and that D answered: pairs count)."""
+    text = httpx.get(proxy.url + "/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdserve:proxy_route_pairs_total{")
+               and f'decode="{url}"' in line)
+
+
 def test_new_decode_takes_requests_without_restart(cluster: Cluster) -> None:
     d2 = cluster.start_engine("D2")
     t0 = time.monotonic()
@@ -196,7 +204,7 @@ def test_new_decode_takes_requests_without_restart(cluster: Cluster) -> None:
     for i in itertools.count():
         assert i < 30, "D2 never took a request"
         assert complete(cluster.proxies[i % 2]).status_code == 200
-        if metric(d2, "pdserve:generation_tokens_total") > 0:
+        if sum(_routed_to(p, d2.url) for p in cluster.proxies) > 0:
             break
     t_first = time.monotonic()
     print(f"\nnew D: registered->in rotation of both proxies {t_rotation - t_registered:.3f} s,"
