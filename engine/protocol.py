@@ -35,12 +35,12 @@ class _StrictFields(type(msgspec.Struct)):
 
 _NUMERIC = {"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
             "repetition_penalty"}
-_INTS = {"n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs"}
+_INTS = {"n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"}
 
 
 def _type_ok(name: str, value: Any) -> bool:
     if value is None:
-        return name in ("seed", "max_tokens", "logprobs")
+        return name in ("seed", "max_tokens", "logprobs", "prompt_logprobs")
     if name in _NUMERIC:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if name in _INTS:
@@ -66,6 +66,8 @@ class SamplingParams(
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None
+    # logprob of every prompt token after the first (+ the top-N there), from the prefill
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -110,6 +112,10 @@ def _validate_sampling(p: SamplingParams) -> None:
     _check(
         p.logprobs is None or 0 <= p.logprobs <= 20,
         "logprobs", f"must be in [0, 20], got {p.logprobs}",
+    )
+    _check(
+        p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= 20,
+        "prompt_logprobs", f"must be in [0, 20], got {p.prompt_logprobs}",
     )
     _check(-2 <= p.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
     _check(-2 <= p.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
@@ -160,6 +166,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None  # set with FinishReason.ERROR: why the core gave up
+    # with SamplingParams.prompt_logprobs: prompt positions 1..P-1, on the first token's output
+    prompt_logprobs: list[Logprobs] | None = None
 
     @property
     def finished(self) -> bool:

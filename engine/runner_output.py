@@ -24,4 +24,6 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[Logprobs | None] = field(default_factory=list)
+    # request id -> prompt positions 1..P-1, sent with the request's first sampled token
+    prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None

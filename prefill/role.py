@@ -75,7 +75,7 @@ def registrar(args: argparse.Namespace, role: str) -> Registrar | None:
     local = "127.0.0.1" if wildcard else args.host
     local = f"[{local}]" if ":" in local else local
     return Registrar(target, cluster=args.cluster, role=role, url=f"http://{host}:{args.port}",
-                     model=args.served_model_name or args.model,
+                     model=(args.served_model_name or [args.model])[0],
                      local_url=f"http://{local}:{args.port}", api_key=args.api_key,
                      secret=signing_secret(args.kv_secret), ttl=args.discovery_ttl)
 

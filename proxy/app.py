@@ -1,4 +1,5 @@
-"""The proxy's FastAPI app: the two OpenAI POST routes, /v1/models, /health, /metrics.
+"""The proxy's FastAPI app: the two OpenAI POST routes, /v1/models, /health, /metrics, and
+the engines' helper routes passed to a decode backend (proxy/passthrough.py).
 
 Invariants: every client request gets either D's answer relayed as it arrives or an OpenAI
 error body (with the request id in the message and in the `X-Request-Id` header); the
@@ -38,6 +39,7 @@ from proxy.kv_info import KVInfoCache
 from proxy.kv_subscriber import EventSubscriber
 from proxy.legs import CHAT, COMPLETIONS, ROUTE_PATHS, new_id
 from proxy.metrics import CONTENT_TYPE, ProxyMetrics
+from proxy.passthrough import GET_ROUTES, POST_ROUTES, from_decode
 from proxy.relay import wait_for_disconnect
 from proxy.routing import build_router
 
@@ -280,6 +282,30 @@ async def _read_json_body(request: Request, limit: int, request_id: str) -> dict
     return body
 
 
+def _passing(state: ProxyState, path: str) -> Any:
+    """The route answering `path` from a decode backend, counted like the others."""
+
+    async def route(request: Request) -> Response:
+        request_id = _request_id(request)
+        try:
+            state.authorize(request, request_id)
+            body = None
+            if path in POST_ROUTES:
+                body = await _read_json_body(request, state.config.max_body_bytes, request_id)
+            assert state.control is not None, "proxy not started"
+            response = await from_decode(state.control, state.decode,
+                                         state.leg_headers(request, new_id()), request_id,
+                                         path, body)
+        except ProxyError as err:
+            response = err.response(headers={"x-request-id": request_id})
+        except ClientGone:
+            response = Response(status_code=499)
+        state.metrics.requests.labels(route=path, status=str(response.status_code)).inc()
+        return response
+
+    return route
+
+
 def build_app(config: ProxyConfig) -> FastAPI:
     state = ProxyState(config)
 
@@ -310,6 +336,11 @@ def build_app(config: ProxyConfig) -> FastAPI:
     @app.get("/health")
     async def health(request: Request) -> Response:
         return state.health_report(request)
+
+    for path in GET_ROUTES:  # the engines' helper routes, answered by a decode backend
+        app.add_api_route(path, _passing(state, path), methods=["GET"])
+    for path in POST_ROUTES:
+        app.add_api_route(path, _passing(state, path), methods=["POST"])
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

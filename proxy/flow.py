@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -43,6 +43,7 @@ from proxy.legs import (
     run_prefill_leg,
 )
 from proxy.metrics import ProxyMetrics
+from proxy.prompt_rows import wants_prompt_logprobs
 from proxy.relay import COMPLETED, RelayResponse
 from proxy.retry import RetryPair, RetryPolicy
 from proxy.routing import RequestView, Route, Router
@@ -209,7 +210,10 @@ class Dispatcher:
         routed = self.router.route(ctx.body, ctx.route == CHAT)
         if routed is None:
             raise self._no_healthy(ctx, self.decode)
-        return routed
+        route, view = routed
+        if not route.alone and wants_prompt_logprobs(ctx.body):  # proxy/prompt_rows.py
+            route = replace(route, prefill=[], alone=True, reason="prompt_logprobs")
+        return route, view
 
     async def _run_decode_alone(self, ctx: RequestContext, route: Route, view: RequestView
                                 ) -> Response:

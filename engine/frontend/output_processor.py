@@ -103,6 +103,8 @@ class OutputProcessor:
                 state.num_cached_tokens = out.num_cached_tokens
             if out.kv_transfer_params is not None:
                 state.kv_transfer_params = out.kv_transfer_params  # sticky until delivered
+            if out.prompt_logprobs is not None:
+                state.prompt_logprobs = [None, *out.prompt_logprobs]
             kept, new_lps, stop_str = state.update(
                 out.new_token_ids, out.new_logprobs, finish_reason
             )
@@ -121,6 +123,8 @@ class OutputProcessor:
             if parent is not None:
                 parent.record(state.request_id, comp, finished, state.kv_transfer_params,
                               state.num_cached_tokens, error)
+                if state.prompt_logprobs is not None:  # every child's prompt is the same
+                    parent.prompt_logprobs = state.prompt_logprobs
                 touched[parent.request_id] = (parent, state)
             elif comp is not None:
                 self._deliver(state, state.make_request_output(
@@ -141,6 +145,7 @@ class OutputProcessor:
             )
             ro.request_id = parent.external_req_id
             ro.num_cached_tokens = parent.num_cached_tokens
+            ro.prompt_logprobs = parent.prompt_logprobs
             self._deliver(state, ro, result)
         return result
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.protocol import Logprobs
+
 # Per generated position: token id -> logprob (sampled token first, then the top-N).
 SampleLogprobs = list[dict[int, float]]
 
@@ -51,6 +53,9 @@ class RequestOutput:
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None  # set when the engine failed this request
     metrics: dict[str, float] = field(default_factory=dict)
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
+    # (nothing predicts it); each the prompt token's logprob, its rank, then the top-N
+    prompt_logprobs: list[Logprobs | None] | None = None
 
     def add(self, newer: RequestOutput, aggregate: bool) -> None:
         """Fold a later output of the same request into this one (consumer lagging).
@@ -74,3 +79,5 @@ class RequestOutput:
         if newer.error is not None:
             self.error = newer.error
         self.metrics = newer.metrics or self.metrics
+        if newer.prompt_logprobs is not None:
+            self.prompt_logprobs = newer.prompt_logprobs

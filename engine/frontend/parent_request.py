@@ -19,7 +19,7 @@ import msgspec
 from engine.connector_api import ConnectorSpec
 from engine.frontend.input_processor import external_request_id
 from engine.frontend.outputs import CompletionOutput
-from engine.protocol import EngineCoreRequest, RequestOutputKind
+from engine.protocol import EngineCoreRequest, Logprobs, RequestOutputKind
 
 
 def child_request_id(index: int, parent_request_id: str) -> str:
@@ -42,6 +42,7 @@ class ParentRequest:
         self.pending: dict[int, CompletionOutput] = {}  # DELTA, this pass only
         self.kv_transfer_params: dict[str, Any] | None = None
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[Logprobs | None] | None = None
         self.error: str | None = None
         self.final_sent = False
 

@@ -49,6 +49,7 @@ class RequestState:
         self.cumulative_logprob = 0.0
         self.num_cached_tokens = 0
         self.kv_transfer_params: dict[str, Any] | None = None
+        self.prompt_logprobs: list[Logprobs | None] | None = None  # once the prefill is done
         self.stats = RequestStateStats(arrival_time=request.arrival_time)
         # Prompt tokens are counted once per user request, not once per n>1 child.
         self.counts_prompt = parent is None or request_index == 0
@@ -134,4 +135,5 @@ class RequestState:
             kv_transfer_params=kv_transfer_params,
             error=error,
             metrics=metrics,
+            prompt_logprobs=self.prompt_logprobs,
         )

@@ -21,6 +21,7 @@ from engine.models.parallel import Collectives
 from engine.protocol import SamplingParams
 from engine.runner.attention import AttentionMetadata, PagedAttention, SeqSpan
 from engine.runner.huge_pages import alloc_kv_cache, weights_on_huge_pages
+from engine.runner.prompt_logprobs import PromptLogprobRows, PromptLogprobs
 from engine.runner.sampler import Sampler, build_sampling_metadata
 from engine.runner_output import ModelRunnerOutput
 from engine.sched.output import NewRequestData, SchedulerOutput
@@ -76,6 +77,7 @@ class ModelRunner:
         # Built (or found in the cache) now, so the first step does not wait for a compiler.
         self.attn_kernel = kernels.paged_attention() if self.device.type == "cpu" else None
         self.sampler = Sampler()
+        self.prompt_logprobs = PromptLogprobs()
         self.requests: dict[str, CachedRequest] = {}
         self.connector: WorkerConnector | None = None
 
@@ -104,6 +106,7 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids | so.preempted_req_ids:
             self.requests.pop(rid, None)
+            self.prompt_logprobs.drop(rid)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequest.from_new(new)
         for cached in so.scheduled_cached_reqs:
@@ -131,10 +134,18 @@ class ModelRunner:
         spans: list[SeqSpan] = []
         sample_rows: list[int] = []
         sampling: list[CachedRequest] = []
+        prompt_rows: list[PromptLogprobRows] = []
+        prompt_done: set[str] = set()  # requests whose prompt this pass completes
         for rid in ids:
             state = self.requests[rid]
             n = so.num_scheduled_tokens[rid]
             start = state.num_computed_tokens
+            rows = PromptLogprobs.rows(rid, state.params.prompt_logprobs, state.token_ids,
+                                       state.num_prompt_tokens, start, n, len(tokens))
+            if rows is not None:
+                prompt_rows.append(rows)
+            if start < state.num_prompt_tokens <= start + n:
+                prompt_done.add(rid)
             spans.append(SeqSpan(len(tokens), n, start + n, state.block_ids))
             tokens.extend(state.token_ids[start:start + n])
             positions.extend(range(start, start + n))
@@ -150,6 +161,8 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long, device=self.device),
             attn,
         )
+        if prompt_rows:  # this pass's prompt rows, before sampling reuses `hidden`
+            self.prompt_logprobs.compute(hidden, prompt_rows, self.model.compute_logits)
         sampled_by_id: dict[str, tuple[int, object]] = {}
         if sampling:
             logits = self.model.compute_logits(hidden[sample_rows])
@@ -167,6 +180,9 @@ class ModelRunner:
                 lp = result.logprobs[i] if result.logprobs else None
                 sampled_by_id[state.req_id] = (token_list[i], lp)
         out = ModelRunnerOutput(req_ids=ids, sampled_token_ids=[], logprobs=[])
+        for state in sampling:  # the prompt is done: its prompt logprobs go out once
+            if state.params.prompt_logprobs is not None and state.req_id in prompt_done:
+                out.prompt_logprobs[state.req_id] = self.prompt_logprobs.take(state.req_id)
         for rid in ids:
             tok, lp = sampled_by_id.get(rid, (None, None))
             out.sampled_token_ids.append([] if tok is None else [tok])

@@ -90,7 +90,9 @@ class KVCacheManager:
         passed to `allocate_slots`, which must happen in the same scheduling pass (a later
         allocation may evict them otherwise).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            # prompt logprobs come from the prefill's own rows (engine/runner/
+            # prompt_logprobs.py): a cached block is recomputed, never skipped
             return [], 0
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

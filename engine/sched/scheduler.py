@@ -334,6 +334,8 @@ class Scheduler:
                 continue
             logprobs = runner_output.logprobs[i] if i < len(runner_output.logprobs) else None
             outputs.append(self._append_tokens(req, sampled, logprobs))
+            if rid in runner_output.prompt_logprobs:  # the prefill's, with its first token
+                outputs[-1].prompt_logprobs = runner_output.prompt_logprobs[rid]
         if kvo is not None:
             for rid, reason in self.remote_kv.absorb(kvo, self.requests).items():
                 self._on_remote_kv_failed(self.requests[rid], reason)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Protocol
 
@@ -34,6 +34,7 @@ from engine.server.openai_protocol import (
     TokenizeRequest,
 )
 from engine.server.serving import ServingContext
+from engine.server.tokenizer_info import tokenizer_info
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
@@ -47,6 +48,9 @@ class ServerSettings:
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     kv_transfer_info: dict[str, Any] | None = None  # None → GET /kv_transfer/info is 404
     kv_spec: ConnectorSpec | None = None  # the engine's connector, None: no connector
+    served_aliases: tuple[str, ...] = ()  # further --served-model-name names (listed)
+    chat_template: str | None = None  # --chat-template: replaces the model's
+    default_sampling: dict[str, Any] = field(default_factory=dict)  # --generation-config
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes < 1024:
@@ -97,16 +101,22 @@ def build_app(
     app = FastAPI(title="pdserve", version=_version(), docs_url=None, redoc_url=None)
     app.state.draining = False
     app.state.engine = engine
-    app.state.metrics = metrics or ServerMetrics(model_name)
+    app.state.metrics = metrics or ServerMetrics(
+        model_name, with_transfer=settings.kv_spec is not None, kv_spec=settings.kv_spec)
     ctx = ServingContext(
         engine=engine,
         model_name=model_name,
-        accepted_names=frozenset((model_name, *accepted_model_names)),
+        accepted_names=frozenset((model_name, *accepted_model_names,
+                                  *settings.served_aliases)),
         max_model_len=engine.max_model_len,
         tokenizer=engine.tokenizer,
         metrics=app.state.metrics,
         kv_spec=settings.kv_spec,
+        default_sampling=dict(settings.default_sampling),
     )
+    if settings.chat_template is not None:
+        engine.tokenizer.chat_template = settings.chat_template
+        vars(engine.tokenizer).pop("_compiled_template", None)  # compiled from the old one
     app.state.ctx = ctx
     install_error_handlers(app)
     app.add_middleware(
@@ -136,8 +146,9 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, root=model_name,
-                                         max_model_len=ctx.max_model_len)])
+        return ModelList(data=[ModelCard(id=name, root=model_name,
+                                         max_model_len=ctx.max_model_len)
+                               for name in (model_name, *settings.served_aliases)])
 
     @app.get("/health")
     async def health() -> Response:
@@ -176,6 +187,10 @@ def build_app(
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": _version()}
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info() -> dict[str, Any]:
+        return tokenizer_info(ctx.tokenizer, ctx.max_model_len)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

@@ -16,7 +16,12 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.server.completions import CLIENT_CLOSED
 from engine.server.errors import APIError, request_failed_error
-from engine.server.logprobs import TokenText, chat_logprobs
+from engine.server.logprobs import (
+    TokenText,
+    chat_logprobs,
+    check_prompt_logprobs_leg,
+    vllm_prompt_logprobs,
+)
 from engine.server.openai_protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -68,7 +73,8 @@ async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, ctx: ServingContext
 ) -> Response:
     ctx.check_model(body.model)
-    params = body.to_sampling_params()
+    params = ctx.with_defaults(body, body.to_sampling_params())
+    check_prompt_logprobs_leg(params, body.kv_transfer_params)
     prompt = render_chat_prompt(
         ctx.tokenizer, body.message_dicts(), add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
@@ -128,9 +134,10 @@ def _response(
     prompt_tokens = len(final.prompt_token_ids)
     return ChatCompletionResponse(
         id=rid, model=ctx.model_name, choices=choices,
-        usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                        total_tokens=prompt_tokens + completion_tokens),
+        usage=UsageInfo.of(prompt_tokens, completion_tokens, final.num_cached_tokens),
         kv_transfer_params=final.kv_transfer_params,
+        prompt_logprobs=(None if body.prompt_logprobs is None else vllm_prompt_logprobs(
+            final.prompt_logprobs, body.prompt_logprobs, token_text)),
     )
 
 
@@ -140,12 +147,11 @@ async def _stream(
 ) -> AsyncIterator[str]:
     created = int(time.time())
     token_text = TokenText(ctx.tokenizer)
-    state = {"prompt_tokens": 0}
+    state = {"prompt_tokens": 0, "cached": 0}
     generated: dict[int, int] = {}
 
     def usage() -> UsageInfo:
-        p, c = state["prompt_tokens"], sum(generated.values())
-        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+        return UsageInfo.of(state["prompt_tokens"], sum(generated.values()), state["cached"])
 
     def chunk(choice: ChatStreamChoice) -> str:
         return sse(ChatCompletionChunk(
@@ -157,6 +163,7 @@ async def _stream(
         if out.error:
             raise request_failed_error(out.request_id, out.error)
         state["prompt_tokens"] = len(out.prompt_token_ids)
+        state["cached"] = max(state["cached"], out.num_cached_tokens)
         lines = []
         for comp in out.outputs:
             if comp.index not in generated:

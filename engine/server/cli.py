@@ -30,6 +30,12 @@ from engine.connector_registry import spec_for
 from engine.dp.config import local_ranks, rank_config
 from engine.server.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
 from engine.server.metrics import ServerMetrics
+from engine.server.vllm_flags import (
+    add_vllm_args,
+    chat_template,
+    generation_defaults,
+    kv_cache_gib,
+)
 
 if TYPE_CHECKING:
     from engine.server.uvicorn_server import ServerCompanion
@@ -63,7 +69,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="serve /metrics without the API key (for a Prometheus scraper "
                              "that holds no key); off by default, since the counters reveal "
                              "load and traffic")
-    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
+                        help="the model's name in the API (the first is listed first; every "
+                             "one is accepted)")
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16",
                                                           "float16"])
     parser.add_argument("--device", default=None, help="cpu or cuda")
@@ -97,6 +105,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_vllm_args(parser)
 
 
 def add_deadline_args(parser: argparse.ArgumentParser) -> None:
@@ -168,6 +177,16 @@ def config_from_args(args: argparse.Namespace,
             value = role_defaults.get(name)
         if value is not None:
             kwargs[name] = value
+    names = kwargs.get("served_model_name")
+    if isinstance(names, (list, tuple)):  # several: the first names the model
+        kwargs["served_model_name"] = names[0]
+    fraction = getattr(args, "gpu_memory_utilization", None)
+    if fraction is not None:
+        if args.num_kv_blocks is not None or args.kv_cache_memory_gib is not None:
+            raise ValueError("--gpu-memory-utilization excludes --num-kv-blocks and "
+                             "--kv-cache-memory-gib")
+        kwargs.pop("num_kv_blocks", None)  # a role's default yields to the user's flag
+        kwargs["kv_cache_memory_gib"] = kv_cache_gib(fraction, kwargs.get("device"))
     kv = _kv_transfer_dict(args, role_defaults)
     if kv is not None:
         kwargs["kv_transfer_config"] = kv
@@ -259,7 +278,11 @@ def serve_main(args: argparse.Namespace, *, role_defaults: Mapping[str, Any] | N
         settings = ServerSettings(api_key=args.api_key, public_metrics=args.public_metrics,
                                   max_request_body_bytes=args.max_request_body_bytes,
                                   kv_transfer_info=kv_transfer_info(config),
-                                  kv_spec=spec_for(config))
+                                  kv_spec=spec_for(config),
+                                  served_aliases=tuple((args.served_model_name or [])[1:]),
+                                  chat_template=chat_template(args.chat_template),
+                                  default_sampling=generation_defaults(args.generation_config,
+                                                                       config.model))
         if args.drain_timeout < 0:
             raise ValueError("--drain-timeout must be non-negative")
     except ValueError as exc:
@@ -326,7 +349,8 @@ async def _serve(config: EngineConfig, settings: ServerSettings,
     except OSError as exc:
         logger.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
         return 1
-    metrics = ServerMetrics(config.model_name, engine_indexes=local_ranks(config))
+    metrics = ServerMetrics(config.model_name, engine_indexes=local_ranks(config),
+                            with_transfer=settings.kv_spec is not None, kv_spec=settings.kv_spec)
     try:
         engine = start_engine(config, metrics)
     except BaseException:
@@ -337,7 +361,8 @@ async def _serve(config: EngineConfig, settings: ServerSettings,
         app = build_app(engine, model_name=config.model_name, accepted_model_names=accepted,
                         settings=settings, metrics=metrics)
         server = DrainingServer(app, host=args.host, port=args.port,
-                                drain_timeout=args.drain_timeout, log_level=args.log_level,
+                                drain_timeout=args.drain_timeout,
+                                log_level=args.uvicorn_log_level or args.log_level,
                                 access_log=args.access_log,
                                 on_drain_deadline=app.state.ctx.abort_all,
                                 companions=companions)

@@ -18,9 +18,11 @@ from engine.connector_registry import prompt_kv_params
 from engine.server.errors import APIError, request_failed_error
 from engine.server.logprobs import (
     TokenText,
+    check_prompt_logprobs_leg,
     completion_logprobs,
+    echoed_prompt_logprobs,
     merge_completion_logprobs,
-    prompt_logprobs_placeholder,
+    vllm_prompt_logprobs,
 )
 from engine.server.openai_protocol import (
     CompletionChoice,
@@ -55,6 +57,12 @@ def _prompt_text(ctx: ServingContext, out: Any) -> str:
     return ctx.tokenizer.decode(out.prompt_token_ids)
 
 
+def _vllm_prompt_logprobs(body: Any, out: Any, token_text: TokenText) -> Any:
+    if body.prompt_logprobs is None:
+        return None
+    return vllm_prompt_logprobs(out.prompt_logprobs, body.prompt_logprobs, token_text)
+
+
 def _request_failed(out: Any) -> APIError:
     return request_failed_error(out.request_id, out.error)
 
@@ -63,7 +71,8 @@ async def create_completion(
     body: CompletionRequest, request: Request, ctx: ServingContext
 ) -> Response:
     ctx.check_model(body.model)
-    params = body.to_sampling_params()
+    params = ctx.with_defaults(body, body.to_sampling_params())
+    check_prompt_logprobs_leg(params, body.kv_transfer_params)
     prompts = body.prompts()
     rid = make_request_id(request, "cmpl")
     ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
@@ -106,7 +115,7 @@ def _response(
     token_text = TokenText(ctx.tokenizer)
     want_lp = body.logprobs is not None
     choices: list[CompletionChoice] = []
-    prompt_tokens = completion_tokens = 0
+    prompt_tokens = completion_tokens = cached_tokens = 0
     # A batch answers with its first prompt's params (a D leg gives them to its first prompt).
     kv_params = finals[0].kv_transfer_params if finals and finals[0] is not None else None
     for pi, final in enumerate(finals):
@@ -115,6 +124,7 @@ def _response(
         if final.error:
             raise _request_failed(final)
         prompt_tokens += len(final.prompt_token_ids)
+        cached_tokens += final.num_cached_tokens
         prefix = _prompt_text(ctx, final) if body.echo else ""
         for comp in final.outputs:
             completion_tokens += len(comp.token_ids)
@@ -124,18 +134,18 @@ def _response(
                     comp.token_ids, comp.logprobs, body.logprobs or 0, token_text, len(prefix)
                 )
                 if body.echo:
-                    lp = merge_completion_logprobs(
-                        prompt_logprobs_placeholder(final.prompt_token_ids, token_text), lp
-                    )
+                    lp = merge_completion_logprobs(echoed_prompt_logprobs(
+                        final.prompt_token_ids, final.prompt_logprobs, body.logprobs or 0,
+                        token_text), lp)
             choices.append(CompletionChoice(
                 index=pi * body.n + comp.index, text=prefix + comp.text, logprobs=lp,
                 finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
+                prompt_logprobs=_vllm_prompt_logprobs(body, final, token_text),
             ))
     choices.sort(key=lambda c: c.index)
     return CompletionResponse(
         id=rid, model=ctx.model_name, choices=choices,
-        usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                        total_tokens=prompt_tokens + completion_tokens),
+        usage=UsageInfo.of(prompt_tokens, completion_tokens, cached_tokens),
         kv_transfer_params=kv_params,
     )
 
@@ -150,10 +160,11 @@ async def _stream(
     prompt_tokens: dict[int, int] = {}
     generated: dict[int, int] = {}
     offsets: dict[int, int] = {}
+    cached: dict[int, int] = {}
 
     def usage() -> UsageInfo:
-        p, c = sum(prompt_tokens.values()), sum(generated.values())
-        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+        return UsageInfo.of(sum(prompt_tokens.values()), sum(generated.values()),
+                            sum(cached.values()))
 
     def chunks(pi: int, out: Any) -> list[str]:
         if out.error:
@@ -161,16 +172,19 @@ async def _stream(
         lines = []
         if pi not in prompt_tokens:
             prompt_tokens[pi] = len(out.prompt_token_ids)
+        cached[pi] = max(cached.get(pi, 0), out.num_cached_tokens)
         for comp in out.outputs:
             index = pi * body.n + comp.index
             text = comp.text
-            lp = None
+            lp = prompt_lps = None
             if index not in offsets:
                 offsets[index] = 0
+                prompt_lps = _vllm_prompt_logprobs(body, out, token_text)
                 if body.echo:
                     text = _prompt_text(ctx, out) + text
                     if want_lp:
-                        lp = prompt_logprobs_placeholder(out.prompt_token_ids, token_text)
+                        lp = echoed_prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs,
+                                                    body.logprobs or 0, token_text)
                         offsets[index] = len(text) - len(comp.text)
             if not text and not comp.token_ids and comp.finish_reason is None:
                 continue
@@ -184,7 +198,8 @@ async def _stream(
                 id=rid, created=created, model=ctx.model_name,
                 choices=[CompletionChoice(index=index, text=text, logprobs=lp,
                                           finish_reason=comp.finish_reason,
-                                          stop_reason=comp.stop_reason)],
+                                          stop_reason=comp.stop_reason,
+                                          prompt_logprobs=prompt_lps)],
                 usage=usage() if body.continuous_usage else None,
             )
             lines.append(sse(chunk))

@@ -11,10 +11,14 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from engine.protocol import Logprobs
+from engine.server.errors import APIError
 from engine.server.openai_protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobsList,
     TopLogprob,
 )
 
@@ -25,6 +29,17 @@ def _finite(lp: float | None) -> float:
     if lp is None or math.isnan(lp):
         return _FLOOR
     return max(float(lp), _FLOOR)
+
+
+def check_prompt_logprobs_leg(params: Any, kv_transfer_params: dict[str, Any] | None) -> None:
+    """Prompt logprobs come from the prefill's forward pass: a decode leg whose prompt KV
+    arrives from another engine computes no prompt rows, so it is refused, never answered
+    with holes (the proxy sends such requests to one engine that prefills them itself)."""
+    if params.prompt_logprobs is not None and (kv_transfer_params or {}).get(
+            "do_remote_prefill"):
+        raise APIError("prompt_logprobs (or echo with logprobs) cannot be computed on a decode "
+                       "leg with do_remote_prefill: the prompt is prefilled elsewhere",
+                       param="prompt_logprobs")
 
 
 class TokenText:
@@ -78,19 +93,56 @@ def completion_logprobs(
     return out
 
 
-def prompt_logprobs_placeholder(
-    prompt_ids: Sequence[int], token_text: TokenText
+def echoed_prompt_logprobs(
+    prompt_ids: Sequence[int], entries: Sequence[Logprobs | None] | None, top_n: int,
+    token_text: TokenText,
 ) -> CompletionLogprobs:
-    """With `echo`, prompt tokens are listed without logprobs (the engine computes none)."""
+    """With `echo`, the prompt's tokens with their logprobs (from the prefill, engine/runner/
+    prompt_logprobs.py); the first token has none (nothing predicts it), as in OpenAI's and
+    vLLM's answers."""
     out = CompletionLogprobs()
     offset = 0
-    for tid in prompt_ids:
+    entries = entries or []
+    for i, tid in enumerate(prompt_ids):
         text = token_text(tid)
+        entry = entries[i] if i < len(entries) else None
         out.tokens.append(text)
-        out.token_logprobs.append(None)
-        out.top_logprobs.append(None)
         out.text_offset.append(offset)
         offset += len(text)
+        if entry is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        lp = _finite(entry.logprobs[0])
+        out.token_logprobs.append(lp)
+        top = {text: lp}
+        for cand, value in zip(entry.token_ids[1:top_n + 1], entry.logprobs[1:top_n + 1],
+                               strict=True):
+            top.setdefault(token_text(cand), _finite(value))
+        out.top_logprobs.append(top)
+    return out
+
+
+def vllm_prompt_logprobs(
+    entries: Sequence[Logprobs | None] | None, top_n: int, token_text: TokenText
+) -> PromptLogprobsList | None:
+    """vLLM's `prompt_logprobs`: per prompt position None (the first) or {token id: {logprob,
+    rank, decoded_token}} holding the prompt token and the top-N (ranks 1..N)."""
+    if entries is None:
+        return None
+    out: PromptLogprobsList = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        tid = entry.token_ids[0]
+        pos = {str(tid): PromptLogprob(logprob=_finite(entry.logprobs[0]),
+                                       rank=entry.sampled_rank, decoded_token=token_text(tid))}
+        for rank, (cand, value) in enumerate(
+                zip(entry.token_ids[1:top_n + 1], entry.logprobs[1:top_n + 1], strict=True), 1):
+            pos.setdefault(str(cand), PromptLogprob(logprob=_finite(value), rank=rank,
+                                                    decoded_token=token_text(cand)))
+        out.append(pos)
     return out
 
 

@@ -22,6 +22,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from engine.connector_api import ConnectorSpec
 from engine.connector_registry import transfer_metrics
 from engine.protocol import SchedulerStats
 
@@ -65,9 +66,10 @@ class _SnapshotCollector(Collector):
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
                     "kv_cache_usage", 0.0)
         yield gauge("num_free_kv_blocks", "Free KV cache blocks.", "num_free_blocks")
-        # the connectors' own counters and summaries (their specs name them), cumulative
-        # values from SchedulerStats.kv_connector, keys with or without the prefix
-        counters, summaries = transfer_metrics()
+        # the connector's own counters and summaries (its spec names them), cumulative
+        # values from SchedulerStats.kv_connector, keys with or without the prefix; a
+        # server without a connector exports none (no kv_* series stuck at 0)
+        counters, summaries = self._owner.transfer
         for name, doc in counters.items():
             c = CounterMetricFamily(PREFIX + name.removesuffix("_total"), doc, labels=labels)
             for e in engines:
@@ -99,8 +101,15 @@ class ServerMetrics:
     is the engine's stat-logger hook; the engine index picks the series."""
 
     def __init__(self, model_name: str, engine_index: int = 0,
-                 engine_indexes: Iterable[int] | None = None) -> None:
+                 engine_indexes: Iterable[int] | None = None, *,
+                 with_transfer: bool = True, kv_spec: ConnectorSpec | None = None) -> None:
+        """`with_transfer`: export the KV-transfer series, those of `kv_spec` (every registered
+        connector's without one); False for a server without a connector."""
         self.registry = CollectorRegistry(auto_describe=True)
+        self.transfer: tuple[Mapping[str, str], Mapping[str, tuple[str, str]]] = ({}, {})
+        if with_transfer:
+            self.transfer = ((dict(kv_spec.counters), dict(kv_spec.summaries)) if kv_spec
+                             else transfer_metrics())
         self.label_names = ["model_name", "engine"]
         reg = self.registry
         names = self.label_names

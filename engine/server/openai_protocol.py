@@ -95,6 +95,11 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, Float] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     data_parallel_rank: Int32 | None = None  # pin to this DP engine of the server
+    prompt_logprobs: Int32 | None = None  # vLLM's: each prompt token's logprob (+ top-N)
+
+    def wanted_prompt_logprobs(self) -> int | None:
+        """Top-N of the prompt logprobs the engine must compute (None: none)."""
+        return self.prompt_logprobs
 
     def _check_unsupported(self) -> None:
         if self.logit_bias:
@@ -121,6 +126,7 @@ class _SamplingFields(_Request):
             "stop_token_ids": list(self.stop_token_ids or []),
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
+            "prompt_logprobs": self.wanted_prompt_logprobs(),
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
             "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
@@ -155,6 +161,13 @@ class CompletionRequest(_SamplingFields):
     logprobs: Int32 | None = None
     echo: bool = False
     suffix: str | None = None
+
+    def wanted_prompt_logprobs(self) -> int | None:
+        """`echo` with `logprobs` lists the prompt's tokens with their logprobs too."""
+        echoed = self.logprobs if self.echo and self.logprobs is not None else None
+        if echoed is None or self.prompt_logprobs is None:
+            return self.prompt_logprobs if echoed is None else echoed
+        return max(echoed, self.prompt_logprobs)
 
     def to_sampling_params(self) -> SamplingParams:
         if self.suffix:
@@ -259,10 +272,21 @@ class DetokenizeRequest(_Request):
 # ---- responses -------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (or a P engine's KV)
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt: int, completion: int, cached: int) -> UsageInfo:
+        return cls(prompt_tokens=prompt, completion_tokens=completion,
+                   total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 class CompletionLogprobs(BaseModel):
@@ -272,12 +296,24 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob, one entry of a `prompt_logprobs` position (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobsList = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsList | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -325,6 +361,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    prompt_logprobs: PromptLogprobsList | None = None
 
 
 class DeltaMessage(BaseModel):

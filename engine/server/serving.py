@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -47,6 +48,16 @@ class ServingContext:
     # the connector's spec (per-prompt kv_transfer_params of a list of prompts), None: none
     kv_spec: ConnectorSpec | None = None
     active: set[str] = field(default_factory=set)  # internal engine request ids in flight
+    # --generation-config: sampling fields a request that gives none of its own gets
+    default_sampling: dict[str, Any] = field(default_factory=dict)
+
+    def with_defaults(self, body: Any, params: SamplingParams) -> SamplingParams:
+        """`params` with the server's default sampling fields the client did not give."""
+        given = body.model_fields_set
+        if "max_completion_tokens" in given:
+            given = given | {"max_tokens"}
+        changes = {k: v for k, v in self.default_sampling.items() if k not in given}
+        return msgspec.structs.replace(params, **changes) if changes else params
 
     def abort_all(self) -> int:
         """Abort every request in flight (drain deadline): each ends with finish_reason
