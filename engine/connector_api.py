@@ -24,6 +24,7 @@ from engine.connector_seam import (
     KVBinding,
     KVConnectorMetadata,
     KVConnectorOutput,
+    SeededToken,
 )
 from engine.kv_transfer_config import KVTransferConfig
 
@@ -40,6 +41,7 @@ class KVCacheSpec:
     dtype: str
     bytes_per_block: int  # one block across every layer, K and V (contiguous)
     model_name: str
+    vocab_size: int = 0  # token ids a seeded first token may take (0: unknown, none)
 
 
 class KVConnectorScheduler:
@@ -76,6 +78,11 @@ class KVConnectorScheduler:
         return False, None
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        return None
+
+    def take_seeded_token(self, request: ConnectorRequest) -> SeededToken | None:
+        """A parked request's KV landed: the first output token that came with it, or None
+        (the scheduler then computes the last prompt position itself)."""
         return None
 
     def has_pending_work(self) -> bool:

@@ -26,6 +26,8 @@ from typing import Any, Protocol
 
 import msgspec
 
+from engine.protocol import Logprobs
+
 
 class KVConnectorMetadata(msgspec.Struct, tag=True):
     """Base of a connector's per-step metadata (scheduler half → worker halves)."""
@@ -35,12 +37,22 @@ class KVConnectorMetadata(msgspec.Struct, tag=True):
         return False
 
 
+class SeededToken(msgspec.Struct, array_like=True, frozen=True):
+    """The first output token another engine sampled for a request whose whole prompt KV it
+    computed (and, when the request asks for logprobs, that position's logprobs). A request
+    seeded with it starts decoding from it: no forward pass over the last prompt position."""
+
+    token_ids: list[int]
+    logprobs: Logprobs | None = None
+
+
 class KVConnectorOutput(msgspec.Struct, tag=True):
     """Worker half → scheduler half, once per step (with TP: all ranks combined)."""
 
     finished_sending: set[str] = set()  # P: blocks may be freed
     finished_recving: set[str] = set()  # D: KV landed
     failed_recving: dict[str, str] = {}  # D: id -> reason; wins over a receipt of the same id
+    seeded: dict[str, SeededToken] = {}  # D: the first token that came with a receipt
 
 
 class KVBinding(msgspec.Struct, array_like=True):
@@ -69,6 +81,8 @@ class ConnectorRequest(Protocol):
     kv_transfer_params: dict[str, Any] | None  # the wire form, as the client sent it
     kv_params: Any  # the connector's typed form of them, set once by `on_request_added`
     status: RequestState  # `.finished_normally`: the prompt's KV is complete
+    output_token_ids: list[int]  # sampled so far
+    last_logprobs: Logprobs | None  # of the last sampled position, when asked for
 
     @property
     def num_prompt_tokens(self) -> int: ...
@@ -97,6 +111,11 @@ class SchedulerConnector(Protocol):
                          ) -> tuple[bool, dict[str, Any] | None]: ...
 
     def update_connector_output(self, output: KVConnectorOutput) -> None: ...
+
+    def take_seeded_token(self, request: ConnectorRequest) -> SeededToken | None:
+        """Called once when a parked request's KV has landed, before it is scheduled: the
+        first output token that came with the KV (the scheduler appends it and decodes it
+        next), or None to compute the last prompt position here."""
 
     def has_pending_work(self) -> bool: ...
 

@@ -63,10 +63,16 @@ class PushDecodeLeg(_Leg, frozen=True):
     remote_port: wire.Port
     tp_size: wire.TpSize
     transfer_id: wire.GivenTransferId | UnsetType = UNSET
+    # False: do not ask P for its first token (a child of an n > 1 request); D recomputes it
+    first_token: bool | UnsetType = UNSET
 
     @property
     def tid(self) -> str:
         return self.transfer_id or ""
+
+    @property
+    def wants_first_token(self) -> bool:
+        return self.first_token is not False
 
 
 class PullDecodeLeg(_Leg, frozen=True):
@@ -85,6 +91,15 @@ class PullDecodeLeg(_Leg, frozen=True):
     num_prompt_tokens: int
     prompt_digest: str | None = None
     lease_expires_at: float | None = None  # P's wall clock, seconds since the epoch
+    # the token P sampled, and its logprobs when the request asked (kvconnector/seed.py);
+    # unsigned: whoever relays P's answer to D chooses the client's output anyway
+    first_token_ids: list[wire.TokenId] | UnsetType = UNSET
+    first_token_logprobs: wire.TokenLogprobs | UnsetType = UNSET
+    first_token: bool | UnsetType = UNSET  # False: ignore first_token_ids (n > 1)
+
+    @property
+    def wants_first_token(self) -> bool:
+        return self.first_token is not False
 
 
 KVParams = PrefillLeg | PushDecodeLeg | PullDecodeLeg

@@ -11,6 +11,11 @@ each failed request still expected counts one `kv_recv_failed_total` and, under
 `kv_load_failure_policy` "recompute", one `kv_recompute_fallback_total` (the engine's
 scheduler does the recompute). Counted here, not in the worker halves, so a request counts
 once however many tensor-parallel ranks failed it (docs/design.md §8).
+
+D's first token (kvconnector/seed.py): when a parked request's KV lands the engine asks
+`take_seeded_token`; a token P sent along that D can continue from exactly counts one
+`kv_first_token_seeded_total`, anything else one `kv_first_token_recomputed_total` (D then
+computes the last prompt position as before).
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ from engine.connector_api import (
     KVCacheSpec,
     KVConnectorOutput,
     KVConnectorScheduler,
+    SeededToken,
 )
+from engine.protocol import SamplingParams
+from kvconnector import seed as first_token
 from kvconnector.params import KVParams
 
 logger = logging.getLogger(__name__)
@@ -36,6 +44,7 @@ class TransferRequest(ConnectorRequest, Protocol):
     params typed (`on_request_added` sets them once)."""
 
     kv_params: KVParams | None
+    sampling_params: SamplingParams
 
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
@@ -59,9 +68,13 @@ class TransferScheduler(KVConnectorScheduler):
             raise ValueError("kv_load_failure_policy must be 'recompute' or 'fail'")
         self._meta = self.meta_type()
         self._held: set[str] = set()  # requests whose blocks wait for the worker's word
+        self.vocab_size = spec.vocab_size
+        self._seeds: dict[str, SeededToken] = {}  # D: P's first token, until taken
         self.stats: dict[str, float] = {"kv_remote_prefill_tokens_total": 0,
                                         "kv_recv_failed_total": 0,
-                                        "kv_recompute_fallback_total": 0}
+                                        "kv_recompute_fallback_total": 0,
+                                        "kv_first_token_seeded_total": 0,
+                                        "kv_first_token_recomputed_total": 0}
 
     def num_blocks(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -90,6 +103,21 @@ class TransferScheduler(KVConnectorScheduler):
         """D: the KV of this request arrived; prompt tokens it spared D (0: not expected)."""
         raise NotImplementedError
 
+    def _expects_seed(self, request_id: str) -> bool:
+        """D: a first token that arrives for this request now is kept until taken."""
+        return False
+
+    def take_seeded_token(self, request: TransferRequest) -> SeededToken | None:
+        seed = self._seeds.pop(request.request_id, None)
+        reason = first_token.check(seed, self.vocab_size, request.sampling_params.logprobs)
+        if reason is not None:
+            self.stats["kv_first_token_recomputed_total"] += 1
+            logger.debug("request %s: recomputing the last prompt position (%s)",
+                         request.request_id, reason)
+            return None
+        self.stats["kv_first_token_seeded_total"] += 1
+        return seed
+
     # --- the engine's calls -------------------------------------------------------
     def on_request_added(self, request: TransferRequest) -> None:
         try:
@@ -106,7 +134,11 @@ class TransferScheduler(KVConnectorScheduler):
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for rid, token in output.seeded.items():
+            if self._expects_seed(rid):
+                self._seeds[rid] = token
         for rid in output.failed_recving:  # first: a failure wins over a receipt
+            self._seeds.pop(rid, None)
             if not self._recv_failed(rid):
                 continue
             self.stats["kv_recv_failed_total"] += 1

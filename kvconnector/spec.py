@@ -27,6 +27,11 @@ COUNTERS: dict[str, str] = {
     "kv_recv_failed_total": "Requests whose remote KV could not be received.",
     "kv_recompute_fallback_total": "Requests that fell back to computing the prompt locally.",
     "kv_remote_prefill_tokens_total": "Prompt tokens D received instead of computing.",
+    "kv_first_token_seeded_total": "D requests that started from P's sampled first token (no "
+                                   "forward over the last prompt position).",
+    "kv_first_token_recomputed_total": "D requests whose KV landed without a first token D "
+                                       "could continue from: the last prompt position was "
+                                       "computed on D.",
     "kv_push_fail_sent_total": "PUSH_FAIL notifications P sent (it will not write).",
     "kv_push_digest_mismatch_total": "Push registrations P refused: their prompt digest differs "
                                      "from the prompt P prefilled.",
@@ -84,6 +89,8 @@ class NixlSpec(ConnectorSpec):
         prefill locally rather than wait on a transfer that never comes."""
         if index > 0 and kv_transfer_params.get(DECODE_FLAG):
             return None
+        if kv_transfer_params.get(DECODE_FLAG):  # P sampled for one sequence, not for n
+            return {**kv_transfer_params, "first_token": False}
         return kv_transfer_params
 
     def validate(self, config: ConnectorConfig) -> None:

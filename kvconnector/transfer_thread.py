@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from engine.connector_api import KVConnectorOutput
-from engine.connector_seam import KVConnectorMetadata
+from engine.connector_seam import KVConnectorMetadata, SeededToken
 from kvconnector import wire
 
 if TYPE_CHECKING:
@@ -67,6 +67,7 @@ class Sink(Half, Protocol):
 
     finished_recving: set[str]
     failed_recving: dict[str, str]  # request id -> reason
+    seeded: dict[str, SeededToken]  # request id -> the first token that came with its KV
 
 
 class Prunable(Protocol):
@@ -135,6 +136,7 @@ class TransferThread:
             out.finished_sending |= part.finished_sending
             out.finished_recving |= part.finished_recving
             out.failed_recving.update(part.failed_recving)
+            out.seeded.update(part.seeded)
 
     # --- the thread ---------------------------------------------------------------
     def step(self) -> None:
@@ -214,13 +216,15 @@ class TransferThread:
 
     def _publish(self) -> None:
         src, sink = self.source, self.sink
-        if not (src.done or sink.done or sink.finished_recving or sink.failed_recving):
+        if not (src.done or sink.done or sink.finished_recving or sink.failed_recving
+                or sink.seeded):
             return
         out = KVConnectorOutput(
             finished_sending=src.done | sink.done,
             finished_recving=set(sink.finished_recving),
             failed_recving=dict(sink.failed_recving),
+            seeded=dict(sink.seeded),
         )
         src.done, sink.done = set(), set()
-        sink.finished_recving, sink.failed_recving = set(), {}
+        sink.finished_recving, sink.failed_recving, sink.seeded = set(), {}, {}
         self.outbox.put(out)

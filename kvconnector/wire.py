@@ -8,6 +8,8 @@ message            direction   format
 =================  ==========  ================================================================
 registration       D -> P      ``PUSH_REG:`` + msgpack map (exactly the :class:`PushReg` fields)
 completion         P -> D      ``<D request_id>:<P tp_size>`` (rides on each WRITE)
+completion with    P -> D      ``PUSH_DONE:`` + msgpack :class:`DoneBody` (rides on each WRITE
+first token                    into a registration that asked for it: ``first_token``)
 heartbeat          D -> P      ``HB:`` + comma-separated transfer ids still waiting (the base
                                request id of a transfer that has no transfer_id)
 failure            P -> D      ``PUSH_FAIL:`` + msgpack ``{request_id, transfer_id, reason}``
@@ -42,6 +44,7 @@ __all__ = [
     "MAX_NOTIF_BYTES",
     "TAGS",
     "Completion",
+    "FirstToken",
     "Heartbeat",
     "MalformedNotif",
     "Notif",
@@ -52,6 +55,7 @@ __all__ = [
     "base_request_id",
     "decode_notif",
     "encode_completion",
+    "encode_completion_with_token",
     "encode_heartbeat",
     "encode_push_cancel",
     "encode_push_cancel_ack",
@@ -66,9 +70,12 @@ PUSH_REG = "PUSH_REG"
 PUSH_FAIL = "PUSH_FAIL"
 PUSH_CANCEL = "PUSH_CANCEL"
 PUSH_CANCEL_ACK = "PUSH_CANCEL_ACK"
+PUSH_DONE = "PUSH_DONE"
 HB = "HB"
 COMPLETION = "COMPLETION"  # pseudo-kind: completions carry no tag
-TAGS: tuple[str, ...] = (PUSH_REG, PUSH_FAIL, PUSH_CANCEL, PUSH_CANCEL_ACK, HB)
+TAGS: tuple[str, ...] = (PUSH_REG, PUSH_FAIL, PUSH_CANCEL, PUSH_CANCEL_ACK, PUSH_DONE, HB)
+MAX_FIRST_TOKENS = 16
+MAX_LOGPROBS = 64
 
 MAX_NOTIF_BYTES = 4 * 1024 * 1024  # a 1M-token prompt at block size 16 fits several times
 MAX_ID_LEN = 1024
@@ -129,13 +136,44 @@ class PushReg(_Strict):
     prompt_digest: Digest = ""  # of D's whole prompt; "" matches nothing
     # which of D's TP ranks registers (its blocks hold that rank's heads; docs/design.md §8)
     decode_tp_rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)] = 0
+    # D asks P for the token P sampled: its completion then carries it (PUSH_DONE)
+    first_token: bool = False
+
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+
+
+class TokenLogprobs(_Strict, array_like=True):
+    """`engine.protocol.Logprobs` of the first position: the sampled token first, then the
+    top-N (floats as P computed them, -inf included)."""
+
+    token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_LOGPROBS)]
+    logprobs: Annotated[list[float], msgspec.Meta(min_length=1, max_length=MAX_LOGPROBS)]
+    sampled_rank: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class FirstToken(_Strict):
+    """The token(s) P sampled for the request (and their logprobs when it asked for them)."""
+
+    token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1,
+                                                     max_length=MAX_FIRST_TOKENS)]
+    logprobs: TokenLogprobs | None = None
+
+
+class DoneBody(_Strict):
+    """The body of a completion that carries P's first token."""
+
+    request_id: ReqId
+    tp_size: TpSize
+    first_token: FirstToken
 
 
 class Completion(_Strict):
-    """P's WRITE for ``request_id`` (D's id) has landed."""
+    """P's WRITE for ``request_id`` (D's id) has landed; with P's first token when D asked."""
 
     request_id: str
     tp_size: int
+    first_token: FirstToken | None = None
 
 
 class Heartbeat(_Strict):
@@ -175,6 +213,7 @@ _BODY_DECODERS: dict[bytes, msgspec.msgpack.Decoder] = {
     PUSH_FAIL.encode(): msgspec.msgpack.Decoder(PushFail),
     PUSH_CANCEL.encode(): msgspec.msgpack.Decoder(PushCancel),
     PUSH_CANCEL_ACK.encode(): msgspec.msgpack.Decoder(PushCancelAck),
+    PUSH_DONE.encode(): msgspec.msgpack.Decoder(DoneBody),
 }
 _TAG_BYTES = frozenset(t.encode() for t in TAGS)
 _TP_RE = re.compile(r"[1-9][0-9]{0,3}")
@@ -216,6 +255,13 @@ def encode_completion(d_request_id: str, p_tp_size: int) -> bytes:
     if type(p_tp_size) is not int or not 1 <= p_tp_size <= MAX_TP_SIZE:
         raise ValueError(f"p_tp_size must be an int in 1..{MAX_TP_SIZE}, got {p_tp_size!r}")
     return f"{d_request_id}:{p_tp_size}".encode()
+
+
+def encode_completion_with_token(d_request_id: str, p_tp_size: int, token: FirstToken
+                                 ) -> bytes:
+    """``PUSH_DONE:`` + msgpack: a completion that also carries P's first token."""
+    encode_completion(d_request_id, p_tp_size)  # the same checks of id and size
+    return b"PUSH_DONE:" + _validated(DoneBody(d_request_id, p_tp_size, token))
 
 
 def heartbeat_can_carry(transfer_id: object) -> bool:
@@ -279,10 +325,22 @@ def _decode(raw: bytes) -> Notif:
     decoder = _BODY_DECODERS.get(head)
     if decoder is not None:
         try:
-            return decoder.decode(body)
+            msg = decoder.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise MalformedNotif(f"{head.decode()} body: {e}", raw) from None
+        if isinstance(msg, DoneBody):
+            return _done(msg, raw)
+        return msg
     return _decode_completion(raw)
+
+
+def _done(body: DoneBody, raw: bytes) -> Completion:
+    lp = body.first_token.logprobs
+    if lp is not None and len(lp.token_ids) != len(lp.logprobs):
+        raise MalformedNotif("PUSH_DONE logprobs: token_ids and logprobs differ in length", raw)
+    if reads_as_tagged(body.request_id):
+        raise MalformedNotif("PUSH_DONE request id reads as a tagged notification", raw)
+    return Completion(body.request_id, body.tp_size, body.first_token)
 
 
 def _decode_heartbeat(body: bytes, raw: bytes) -> Heartbeat:

@@ -74,7 +74,8 @@ def prefill_leg_body(body: dict[str, Any], route: str, kv_params: dict[str, Any]
         leg["max_completion_tokens"] = 1
     leg["stream"] = False
     leg.pop("stream_options", None)
-    leg.pop("min_tokens", None)  # could exceed max_tokens=1
+    if leg.get("min_tokens"):  # could exceed max_tokens=1; P samples as D would at 1
+        leg["min_tokens"] = 1
     if "n" in leg:
         leg["n"] = 1
     if "best_of" in leg:

@@ -40,6 +40,7 @@ class KVOutputAggregator:
                 if rid not in self._failed:
                     self._failed.add(rid)
                     result.failed_recving[rid] = f"tensor-parallel rank {rank}: {reason}"
+            result.seeded.update(out.seeded)  # any rank's copy: P's ranks send the same
             for rid in out.finished_recving:
                 if rid not in self._failed and self._all_ranks(self._recving, rid):
                     result.finished_recving.add(rid)

@@ -47,6 +47,10 @@ class CachedRequest:
         gen = None
         if new.sampling_params.seed is not None:
             gen = torch.Generator().manual_seed(new.sampling_params.seed)
+            # one draw per sampled token: a request that already holds output tokens (seeded
+            # with another engine's first token, or resumed) continues the same sequence
+            for _ in range(len(new.token_ids) - new.num_prompt_tokens):
+                torch.rand((), generator=gen)
         return cls(new.req_id, list(new.token_ids), new.num_prompt_tokens,
                    new.sampling_params, list(new.block_ids), new.num_computed_tokens,
                    new.eos_token_id, gen)
@@ -97,6 +101,7 @@ class ModelRunner:
             num_kv_heads=kv_heads, head_dim=a.head_dim,
             dtype=str(self.model.dtype).removeprefix("torch."), bytes_per_block=per_block,
             model_name=f"{a.architecture}:{a.hidden_size}:{a.vocab_size}",
+            vocab_size=a.vocab_size,
         )
 
     @property

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from engine.protocol import EngineCoreRequest, FinishReason, SamplingParams
+from engine.protocol import EngineCoreRequest, FinishReason, Logprobs, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -62,6 +62,7 @@ class Request:
         self.kv_params: Any = None  # the connector's typed form of it (on_request_added)
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
+        self.last_logprobs: Logprobs | None = None  # of the last sampled position, if asked
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit on first schedule; -1 = not yet

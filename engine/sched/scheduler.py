@@ -88,7 +88,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order; the last is preempted first
         self.remote_kv = RemoteKVState(self.kv_cache_manager)
         self._finished_req_ids: set[str] = set()  # for the runner, with the next schedule
-        self._pending_outputs: list[EngineCoreOutput] = []  # errors the scheduler raised
+        self._pending_outputs: list[EngineCoreOutput] = []  # errors; seeded first tokens
 
     @property
     def finished_recving_kv_req_ids(self) -> set[str]:
@@ -227,7 +227,8 @@ class Scheduler:
                 if req.request_id not in self.finished_recving_kv_req_ids:
                     skipped.append(self.waiting.popleft())
                     continue
-                self.remote_kv.mark_ready(req)
+                if not self._kv_landed(req):
+                    continue  # its seeded first token ended it
             if self.kv_cache_manager.get_block_ids(req.request_id):
                 outcome = self._admit_resident(req, plan)
             else:
@@ -296,6 +297,27 @@ class Scheduler:
 
     # ---- remote KV (connector) ----------------------------------------------------------
 
+    def _kv_landed(self, req: Request) -> bool:
+        """A parked request's KV landed: make it schedulable, seeded with the first token the
+        connector brought along (then its next step decodes that token; the last prompt
+        position is never computed here). False when that token ended the request."""
+        seed = None if self.connector is None else self.connector.take_seeded_token(req)
+        if seed is not None:
+            req.append_output_token_ids(list(seed.token_ids))
+            req.last_logprobs = seed.logprobs
+        self.remote_kv.mark_ready(req)
+        if seed is None:
+            return True
+        stopped = check_stop(req, self.max_len)
+        kv_params = self._retire(req) if stopped else None
+        self._pending_outputs.append(EngineCoreOutput(
+            request_id=req.request_id, new_token_ids=list(seed.token_ids),
+            new_logprobs=[seed.logprobs] if seed.logprobs is not None else None,
+            finish_reason=req.get_finished_reason(), stop_reason=req.stop_reason,
+            num_cached_tokens=max(req.num_cached_tokens, 0), kv_transfer_params=kv_params,
+        ))
+        return not stopped
+
     def _on_remote_kv_failed(self, req: Request, reason: str) -> None:
         policy = "recompute" if self.connector is None else self.connector.load_failure_policy
         if policy == "fail":
@@ -339,6 +361,10 @@ class Scheduler:
         if kvo is not None:
             for rid, reason in self.remote_kv.absorb(kvo, self.requests).items():
                 self._on_remote_kv_failed(self.requests[rid], reason)
+            # KV that landed now: a seeded first token goes out with this step's outputs,
+            # in an output of its own, before the step that decodes it
+            for rid in list(self.remote_kv.finished_recving):
+                self._kv_landed(self.requests[rid])
         outputs.extend(self._pending_outputs)
         self._pending_outputs = []
         return outputs
@@ -346,6 +372,7 @@ class Scheduler:
     def _append_tokens(self, req: Request, sampled: list[int],
                        logprobs: Logprobs | None) -> EngineCoreOutput:
         accepted: list[int] = []
+        req.last_logprobs = logprobs
         for token in sampled:
             req.append_output_token_ids([token])
             accepted.append(token)

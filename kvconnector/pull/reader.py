@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.connector_seam import SeededToken
 from kvconnector import wire
 from kvconnector.outbox import Outbox
 from kvconnector.peers import Peers
@@ -62,6 +63,7 @@ class Reader:
         self.outbox = Outbox(transport, peers)  # completions waiting for P's peer
         self.finished_recving: set[str] = set()
         self.failed_recving: dict[str, str] = {}
+        self.seeded: dict[str, SeededToken] = {}  # pull: P's token rides in the params
         self.done: set[str] = set()
         self._next_hb = 0.0
 

@@ -42,6 +42,7 @@ from kvconnector.pull.params import (
 )
 from kvconnector.scheduler_half import TransferRequest, TransferScheduler
 from kvconnector.security import KVSecurity
+from kvconnector.seed import from_params, sampled, to_params
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,9 @@ class PullScheduler(TransferScheduler):
         self._claimed[(claim.remote_engine_id, claim.remote_request_id)] = math.inf
         self._accepted[request.request_id] = claim
         self._meta.claims.append(claim)
+        seed = from_params(params.first_token_ids or None, params.first_token_logprobs or None)
+        if seed is not None and params.wants_first_token:
+            self._seeds[request.request_id] = seed
 
     def _refusal(self, request: TransferRequest, p: PullDecodeLeg) -> str | None:
         """Why these (decoded) params must not load this request's KV, or None when they
@@ -159,6 +163,7 @@ class PullScheduler(TransferScheduler):
     def request_finished(self, request: TransferRequest, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        self._seeds.pop(rid, None)
         if rid in self._reading:  # D: the READ may still land in these blocks
             del self._reading[rid]
             self._end_claim(rid)
@@ -191,6 +196,7 @@ class PullScheduler(TransferScheduler):
         answer = prefill_answer(self.endpoint, rid, blocks, request.num_prompt_tokens,
                                 prompt_digest(request.prompt_token_ids),
                                 self.wall_clock() + self.lease, params.tid)
+        answer.update(to_params(sampled(request.output_token_ids, request.last_logprobs)))
         return True, signing.signed(self.security, answer)
 
     def _abandon(self, rid: str) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.connector_seam import KVConnectorMetadata
-from kvconnector.wire import base_request_id
+from kvconnector.wire import FirstToken, base_request_id
 
 
 def heartbeat_id(request_id: str, transfer_id: str | None) -> str:
@@ -29,6 +29,7 @@ class Registration:
     remote_port: int
     remote_tp_size: int
     prompt_digest: str = ""  # security.prompt_digest of the whole prompt
+    first_token: bool = False  # ask P for the token it sampled (kvconnector/seed.py)
 
     @property
     def hb_id(self) -> str:
@@ -60,6 +61,7 @@ class FinishedBlocks:
     block_ids: list[int]  # every prompt block, in prompt order
     num_prompt_tokens: int
     prompt_digest: str = ""  # security.prompt_digest of P's prompt; a PUSH_REG must equal it
+    first_token: FirstToken | None = None  # what P sampled, for a registration that asks
 
 
 class PushMeta(KVConnectorMetadata):

@@ -38,10 +38,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.connector_seam import SeededToken
 from kvconnector import wire
 from kvconnector.endpoint import side_channel_port
 from kvconnector.peers import ALIVE, GONE, Address, Peers
 from kvconnector.push.meta import Queued, Registration
+from kvconnector.seed import from_wire
 from kvconnector.tp_layout import peer_ranks
 
 logger = logging.getLogger(__name__)
@@ -97,6 +99,7 @@ class Receiver:
         # Outputs, drained by the transfer thread each step:
         self.finished_recving: set[str] = set()
         self.failed_recving: dict[str, str] = {}
+        self.seeded: dict[str, SeededToken] = {}  # P's first token, with a receipt
         self.done: set[str] = set()
         self._next_hb = 0.0
         self._probe_failures: dict[Address, int] = {}
@@ -189,13 +192,17 @@ class Receiver:
             self._settle(key)
 
     # --- events from P ------------------------------------------------------------
-    def on_completion(self, rid: str, agent: str | None = None) -> None:
+    def on_completion(self, rid: str, agent: str | None = None,
+                      first_token: wire.FirstToken | None = None) -> None:
         key = self._from_p(rid, agent, "completion")
         if key is False:
             return
         state = self._state(key)
         if state is RecvState.WAITING:
-            self._move(key, RecvState.SAFE).landed = True
+            r = self._move(key, RecvState.SAFE)
+            r.landed = True
+            if first_token is not None and r.reg is not None and r.reg.first_token:
+                self.seeded[rid] = from_wire(first_token)  # type: ignore[assignment]
             parts = [self.requests[k] for k in self._parts(rid)]
             if all(p.landed for p in parts):  # WAITING is never released (that cancels)
                 self.finished_recving.add(rid)
@@ -318,7 +325,8 @@ class Receiver:
                     first_block_index=reg.first_block_index,
                     remote_engine_id=reg.remote_engine_id, remote_host=reg.remote_host,
                     remote_port=addr[1], remote_tp_size=reg.remote_tp_size,
-                    prompt_digest=reg.prompt_digest, **self.identity,
+                    prompt_digest=reg.prompt_digest, first_token=reg.first_token,
+                    **self.identity,
                 ))
                 self.t.send_notif(peer.agent_name, msg)
             except Exception as e:  # noqa: BLE001

@@ -23,6 +23,7 @@ from kvconnector.params import KVParams, PrefillLeg, PushDecodeLeg, decode
 from kvconnector.push.meta import FinishedBlocks, PushMeta, Queued, Registration
 from kvconnector.scheduler_half import TransferRequest, TransferScheduler
 from kvconnector.security import prompt_digest
+from kvconnector.seed import sampled, to_wire
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class PushScheduler(TransferScheduler):
             remote_engine_id=p.remote_engine_id, remote_host=p.remote_host,
             remote_port=p.remote_port, remote_tp_size=p.tp_size,
             prompt_digest=prompt_digest(request.prompt_token_ids),
+            first_token=p.wants_first_token,
         )
         self._meta.registrations.append(reg)
         self._deadlines[request.request_id] = self.clock() + self.registration_timeout
@@ -100,6 +102,7 @@ class PushScheduler(TransferScheduler):
         self._asked.discard(rid)
         self._deadlines.pop(rid, None)
         self._remote_tokens.pop(rid, None)
+        self._seeds.pop(rid, None)
         if rid in self._held:  # D: the worker frees once no WRITE can land
             self._meta.released.append(rid)
             return True, None
@@ -110,7 +113,8 @@ class PushScheduler(TransferScheduler):
             n = self.num_blocks(request.num_prompt_tokens)
             self._meta.finished_blocks.append(
                 FinishedBlocks(rid, transfer_id, list(block_ids[:n]), request.num_prompt_tokens,
-                               prompt_digest(request.prompt_token_ids))
+                               prompt_digest(request.prompt_token_ids),
+                               to_wire(sampled(request.output_token_ids, request.last_logprobs)))
             )
             self._held.add(rid)
             return True, {"transfer_id": transfer_id, "staged_blocks": n}
@@ -120,6 +124,9 @@ class PushScheduler(TransferScheduler):
     def _recv_done(self, request_id: str) -> int:
         self._deadlines.pop(request_id, None)
         return self._remote_tokens.pop(request_id, 0)
+
+    def _expects_seed(self, request_id: str) -> bool:
+        return request_id in self._asked
 
     def _recv_failed(self, request_id: str) -> bool:
         self._deadlines.pop(request_id, None)

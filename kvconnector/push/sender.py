@@ -461,7 +461,9 @@ class Sender:
         if len(p_ids) != len(d_ids) or not d_ids:
             return (f"block count mismatch: D registered {len(d_ids)} from block {first}, "
                     f"P holds {len(staged.blocks.block_ids)}")
-        notif = wire.encode_completion(reg.request_id, self.tp_size)
+        token = staged.blocks.first_token if reg.first_token else None
+        notif = (wire.encode_completion(reg.request_id, self.tp_size) if token is None
+                 else wire.encode_completion_with_token(reg.request_id, self.tp_size, token))
         handle = self.t.write(agent, p_ids, d_ids, notif)
         # a WRITE of our heads into a D of another TP size moves part of each block
         nbytes = getattr(handle, "nbytes", len(d_ids) * self.bytes_per_block)

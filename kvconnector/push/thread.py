@@ -53,7 +53,8 @@ class PushThread(TransferThread):
                                                                    agent=agent),
             wire.Heartbeat: lambda m, agent, _: s.on_heartbeat(list(m.transfer_ids), agent),
             wire.PushCancel: lambda m, agent, _: s.on_cancel(m.request_id, m.transfer_id, agent),
-            wire.Completion: lambda m, agent, _: r.on_completion(m.request_id, agent),
+            wire.Completion: lambda m, agent, _: r.on_completion(m.request_id, agent,
+                                                                 m.first_token),
             wire.PushFail: lambda m, agent, _: r.on_push_fail(m.request_id, m.reason, agent),
             wire.PushCancelAck: lambda m, agent, _: r.on_cancel_ack(m.request_id, agent),
         }

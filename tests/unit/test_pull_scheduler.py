@@ -89,7 +89,7 @@ def test_p_answers_with_its_prompt_blocks_and_holds_them_until_finished_sending(
         "remote_port": 7001, "tp_size": 1, "remote_request_id": "p-req-0badcafe",
         "remote_block_ids": None, "num_prompt_tokens": 10,
         "prompt_digest": prompt_digest(prompt), "lease_expires_at": 1000.0 + LEASE,
-        "transfer_id": "t1"}
+        "transfer_id": "t1", "first_token_ids": [5]}  # the token P sampled (issue 28)
     validate_request_params(answer)
     assert meta.leases == [Lease("p-req-0badcafe", answer["remote_block_ids"])]
     assert p.kv_cache_manager.num_free_blocks == NUM_BLOCKS - 3

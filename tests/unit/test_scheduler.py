@@ -96,6 +96,7 @@ class FakeConnector:
         self.remote: dict[str, str] = {}  # rid -> "async" | "sync" | "unknown"
         self.delay_free: set[str] = set()
         self.pending = False
+        self.seeds: dict = {}  # rid -> SeededToken handed over when its KV lands
         self.calls: list[tuple] = []
 
     def on_request_added(self, request: Request) -> None:
@@ -123,6 +124,10 @@ class FakeConnector:
 
     def update_connector_output(self, kvo) -> None:
         self.calls.append(("output", kvo))
+
+    def take_seeded_token(self, request: Request):
+        self.calls.append(("seed", request.request_id))
+        return self.seeds.pop(request.request_id, None)
 
     def has_pending_work(self) -> bool:
         return self.pending

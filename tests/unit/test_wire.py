@@ -34,6 +34,7 @@ DESIGN_FIELDS = {
     "decode_tp_size", "local_block_ids", "first_block_index", "remote_engine_id", "remote_host",
     "remote_port", "remote_tp_size", "prompt_digest",
     "decode_tp_rank",  # docs/design.md §3: which D rank registers (heterogeneous TP, §8)
+    "first_token",  # D asks P for its sampled first token (issue 28)
 }
 
 
@@ -166,7 +167,7 @@ def test_push_reg_with_wrong_fields_is_malformed(changes: dict) -> None:
 
 
 def test_push_reg_missing_any_field_but_the_digest_and_rank_is_malformed() -> None:
-    for name in DESIGN_FIELDS - {"prompt_digest", "decode_tp_rank"}:
+    for name in DESIGN_FIELDS - {"prompt_digest", "decode_tp_rank", "first_token"}:
         data = _reg_map()
         del data[name]
         with pytest.raises(MalformedNotif):

@@ -1,0 +1,57 @@
+"""Pull mode, issue 28: P's answer carries its sampled token (`first_token_ids`, and
+`first_token_logprobs` when asked) and D starts from it; output equals colocated."""
+
+from __future__ import annotations
+
+import pytest
+from first_token_kit import (
+    RECOMPUTED,
+    SEEDED,
+    check_all_equal,
+    check_n_recomputes,
+    check_stop_on_first_token,
+    completion_body,
+    post,
+)
+from pd_harness import deployment, metric
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model: str):
+    with deployment(tiny_model, "pull") as dep:
+        yield dep
+
+
+def test_pull_seeded_handover_equals_colocated(pd):
+    check_all_equal(pd)
+
+
+def test_pull_stop_on_first_token_leaves_no_block(pd):
+    check_stop_on_first_token(pd)
+
+
+def test_pull_n_above_one_recomputes(pd):
+    check_n_recomputes(pd)
+
+
+@pytest.mark.parametrize("bad", [[1 << 30], [-1], [1, 2], "x"])
+def test_pull_first_token_outside_the_vocabulary_is_recomputed_or_refused(pd, bad):
+    """A forged first token never reaches the model: out of range is recomputed (counted),
+    a wrong type is a 400 naming the field."""
+    body = completion_body(600, temperature=0.0, max_tokens=1)
+    answer = post(pd.p.url, "/v1/completions",
+                  {**body, "kv_transfer_params": {"do_remote_decode": True}})
+    kv = {**answer["kv_transfer_params"], "do_remote_prefill": True, "first_token_ids": bad}
+    kv.pop("do_remote_decode", None)
+    import httpx
+
+    before = metric(pd.d, RECOMPUTED), metric(pd.d, SEEDED)
+    r = httpx.post(f"{pd.d.url}/v1/completions", json={**body, "max_tokens": 4,
+                   "kv_transfer_params": kv}, timeout=120)
+    if bad == "x" or bad == [-1]:
+        assert r.status_code == 400 and "first_token_ids" in r.text
+        return
+    assert r.status_code == 200, r.text
+    colocated = post(pd.d.url, "/v1/completions", {**body, "max_tokens": 4})
+    assert r.json()["choices"][0]["text"] == colocated["choices"][0]["text"]
+    assert (metric(pd.d, RECOMPUTED), metric(pd.d, SEEDED)) == (before[0] + 1, before[1])

@@ -1,0 +1,62 @@
+"""Push mode, issue 28: D starts from P's sampled first token (it rides on the WRITE's
+completion, PUSH_DONE) and the client's output equals the colocated server's; a D leg from a
+vLLM-protocol proxy (no transfer id, one X-Request-Id on both legs) still works."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+from first_token_kit import (
+    SEEDED,
+    check_all_equal,
+    check_n_recomputes,
+    check_stop_on_first_token,
+    completion_body,
+    post,
+)
+from pd_harness import assert_no_leaks, deployment, metric
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model: str):
+    with deployment(tiny_model, "push") as dep:
+        yield dep
+
+
+def test_push_seeded_handover_equals_colocated(pd):
+    check_all_equal(pd)
+    assert_no_leaks(pd.engines)
+
+
+def test_push_stop_on_first_token_leaves_no_block(pd):
+    check_stop_on_first_token(pd)
+
+
+def test_push_n_above_one_recomputes(pd):
+    check_n_recomputes(pd)
+
+
+def test_vllm_protocol_push_legs_are_seeded_too(pd):
+    """Both legs by hand as vLLM's toy proxy sends them: P with do_remote_decode, D with
+    P's coordinates, one X-Request-Id, no transfer id."""
+    info = httpx.get(f"{pd.p.url}/kv_transfer/info", timeout=10).json()
+    body = completion_body(500, temperature=0.0)
+    headers = {"X-Request-Id": "vllm-proto-1"}
+    d_params = {"do_remote_prefill": True, "remote_engine_id": info["engine_id"],
+                "remote_host": info["kv_host"], "remote_port": info["kv_port"],
+                "tp_size": info.get("tp_size", 1)}
+    seeded = metric(pd.d, SEEDED)
+    out: dict = {}
+    d = threading.Thread(target=lambda: out.update(d=httpx.post(
+        f"{pd.d.url}/v1/completions", json={**body, "kv_transfer_params": d_params},
+        headers=headers, timeout=120).json()))
+    d.start()
+    httpx.post(f"{pd.p.url}/v1/completions", headers=headers, timeout=120, json={
+        **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    d.join(120)
+    colocated = post(pd.d.url, "/v1/completions", body)
+    assert out["d"]["choices"][0]["text"] == colocated["choices"][0]["text"]
+    assert metric(pd.d, SEEDED) == seeded + 1
+    assert_no_leaks(pd.engines)
