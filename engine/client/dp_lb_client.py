@@ -224,7 +224,8 @@ class DPLBAsyncClient(AsyncEngineCoreClient):
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         """Runs on every live engine. get_stats: sums plus `engines` (per rank) and
-        `dead_engines`; reset_prefix_cache: True when every engine reset; else rank 0's
+        `dead_engines`; reset_prefix_cache: True when every engine reset; kv_bindings: every
+        live rank's, in rank order, each naming its `data_parallel_rank`; else rank 0's
         (the first live rank's) answer."""
         self._start()
         self._ensure_alive()
@@ -245,6 +246,8 @@ class DPLBAsyncClient(AsyncEngineCoreClient):
             return merge_stats(answers, self)
         if method == "reset_prefix_cache":
             return all(answers.values())
+        if method == "kv_bindings":  # each rank bound its own side channels (/kv_transfer/info)
+            return [{**b, "data_parallel_rank": r} for r in sorted(answers) for b in answers[r]]
         return answers[min(answers)]
 
     # -- lifecycle ----------------------------------------------------------------------------

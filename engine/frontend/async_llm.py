@@ -278,16 +278,21 @@ class AsyncLLM:
         return dict(await self.client.call_utility_async("get_stats"))
 
     async def kv_transfer_info(self) -> dict[str, Any]:
-        """What the connector's worker halves bound (with data parallel: rank 0's engine):
-        the live engine_id, kv_host, kv_port and kv_ports (one per TP rank) that
-        GET /kv_transfer/info serves over the configured ones; {} without a connector."""
+        """What the connector's worker halves bound, that GET /kv_transfer/info serves over
+        the configured values: the live engine_id, kv_host, kv_port and kv_ports (one per TP
+        rank); with data parallel, the top level is rank 0's and `data_parallel_ranks` lists
+        each live rank's (`rank` and the same four keys). {} without a connector."""
         self._raise_if_dead()
-        bindings = list(await self.client.call_utility_async("kv_bindings"))
-        if not bindings:
-            return {}
-        first = bindings[0]
-        return {"engine_id": first["engine_id"], "kv_host": first["host"],
-                "kv_port": first["port"], "kv_ports": [b["port"] for b in bindings]}
+        by_rank: dict[int | None, list[dict[str, Any]]] = {}
+        for b in await self.client.call_utility_async("kv_bindings"):
+            by_rank.setdefault(b.get("data_parallel_rank"), []).append(b)
+        top = by_rank.get(None) or by_rank.get(0)
+        info = _bound_side_channels(top) if top else {}
+        ranks = sorted(rank for rank in by_rank if rank is not None)  # data parallel
+        if ranks:
+            info["data_parallel_ranks"] = [{"rank": r, **_bound_side_channels(by_rank[r])}
+                                           for r in ranks]
+        return info
 
     async def get_supported_tasks(self) -> list[str]:
         self._raise_if_dead()
@@ -313,3 +318,10 @@ class AsyncLLM:
             pass  # the loop is gone; nobody can be waiting
         self._requests.clear()
         self.client.shutdown()
+
+
+def _bound_side_channels(bindings: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's worker-half bindings (in TP rank order) as /kv_transfer/info spells them."""
+    first = bindings[0]
+    return {"engine_id": first["engine_id"], "kv_host": first["host"], "kv_port": first["port"],
+            "kv_ports": [b["port"] for b in bindings]}

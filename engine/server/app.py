@@ -74,7 +74,11 @@ class EngineClient(Protocol):
 
     async def kv_transfer_info(self) -> dict[str, Any]:
         """What the connector's worker halves bound (engine id, side-channel host and
-        ports), served over the configured values at /kv_transfer/info; {} without one."""
+        ports), served over the configured values at /kv_transfer/info; with data parallel
+        also `data_parallel_ranks`, each live rank's (by `rank`); {} without a connector."""
+
+    @property
+    def dead_data_parallel_ranks(self) -> list[int]: ...  # [] without data parallel
 
 
 def _version() -> str:
@@ -220,14 +224,17 @@ def build_app(
     @app.get("/kv_transfer/info")
     async def kv_transfer_info() -> JSONResponse:
         info = settings.kv_transfer_info
-        if info is not None:  # what the worker halves bound wins over what was configured
-            info = {**info, **await _maybe_await(engine.kv_transfer_info())}
         if info is None:
             raise APIError("this server has no kv-transfer config", 404, code="not_found")
+        # what the worker halves bound wins over what was configured, at every DP rank
+        bound = dict(await _maybe_await(engine.kv_transfer_info()) or {})
+        bound_ranks = {r["rank"]: r for r in bound.pop("data_parallel_ranks", ())}
+        info = {**info, **bound}
         if info.get("data_parallel_ranks"):  # a rank whose engine died is listed, not alive
-            dead = set(getattr(engine, "dead_data_parallel_ranks", ()))
-            info = {**info, "data_parallel_ranks": [
-                {**r, "alive": r["rank"] not in dead} for r in info["data_parallel_ranks"]]}
+            dead = set(engine.dead_data_parallel_ranks)
+            info["data_parallel_ranks"] = [
+                {**r, **bound_ranks.get(r["rank"], {}), "alive": r["rank"] not in dead}
+                for r in info["data_parallel_ranks"]]
         return JSONResponse(info)
 
     return app
