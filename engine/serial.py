@@ -21,13 +21,17 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
+import sys
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 EXT_TENSOR = 1
 EXT_NDARRAY = 2
@@ -35,11 +39,20 @@ INLINE_THRESHOLD = 256
 
 Buffer = bytes | bytearray | memoryview
 
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    name: dt
-    for name, dt in vars(torch).items()
-    if isinstance(dt, torch.dtype) and not name.startswith("_")
-}
+
+# torch is imported only by a process that meets a tensor: the API server never does (its
+# messages carry none), so it starts without paying for torch's import (~2 s of CPU).
+@functools.cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    return {name: dt for name, dt in vars(torch).items()
+            if isinstance(dt, torch.dtype) and not name.startswith("_")}
+
+
+def _is_tensor(obj: Any) -> bool:
+    torch = sys.modules.get("torch")  # no tensor exists before torch is imported
+    return torch is not None and isinstance(obj, torch.Tensor)
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -47,6 +60,8 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 
     The view keeps the tensor storage alive (numpy array base -> tensor).
     """
+    import torch
+
     flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
     return memoryview(flat.numpy()).cast("B")
 
@@ -79,7 +94,7 @@ class MsgpackEncoder:
             self._aux = None
 
     def _enc_hook(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
+        if _is_tensor(obj):
             if obj.device.type != "cpu":
                 raise TypeError(f"only CPU tensors can be encoded, got one on {obj.device}")
             dtype = str(obj.dtype).removeprefix("torch.")
@@ -91,7 +106,7 @@ class MsgpackEncoder:
         raise NotImplementedError(f"cannot encode objects of type {type(obj).__name__}")
 
     def _ext(self, code: int, dtype: str, shape: tuple, nbytes: int, arr: Any) -> Any:
-        if isinstance(arr, torch.Tensor):
+        if _is_tensor(arr):
             data = _tensor_bytes(arr)
         else:
             data = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
@@ -160,7 +175,9 @@ class MsgpackDecoder:
 
     @staticmethod
     def _to_tensor(dtype_name: str, shape: list[int], raw: Buffer, copy: bool) -> torch.Tensor:
-        dtype = _TORCH_DTYPES.get(dtype_name)
+        import torch
+
+        dtype = _torch_dtypes().get(dtype_name)
         if dtype is None:
             raise ValueError(f"unknown torch dtype {dtype_name!r}")
         numel = int(np.prod(shape)) if shape else 1

@@ -36,7 +36,6 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
-from engine.core.engine_core_proc import run_engine_core
 from engine.core.messages import (
     HandshakeFailed,
     HandshakeHello,
@@ -46,7 +45,6 @@ from engine.core.messages import (
     encode_handshake,
     engine_identity,
 )
-from engine.dp.loops import build_loop
 from engine.startup import (
     EXIT_STARTUP_STALLED,
     StartupStalled,
@@ -62,6 +60,15 @@ MAIN_GUARD_HINT = ("the engine core runs in a spawned process, which imports you
                    "again: put the code that creates the engine (LLM(...), AsyncLLM(...)) under "
                    "`if __name__ == \"__main__\":`, or pass multiprocess=False")
 
+
+
+def _run_core(**kwargs: Any) -> None:
+    """The spawned core process's entry. The engine core and its busy loops (torch, the model)
+    are imported here, in the child, so the API server that spawns it never imports torch."""
+    from engine.core.engine_core_proc import run_engine_core
+    from engine.dp.loops import build_loop
+
+    run_engine_core(**kwargs, build_loop=build_loop)
 
 class UnguardedMainError(RuntimeError):
     """An engine was created while a spawned process was importing the user's main script."""
@@ -151,14 +158,13 @@ class CoreProcess:
             handshake = self._bind(ctx, zmq.ROUTER, "handshake", host, sockets)
             mp_ctx = multiprocessing.get_context("spawn")
             self.proc = mp_ctx.Process(
-                target=run_engine_core,
+                target=_run_core,
                 kwargs={
                     "config": config_to_dict(config),
                     "engine_index": engine_index,
                     "handshake_address": handshake.getsockopt_string(zmq.LAST_ENDPOINT),
                     "parent_pid": os.getpid(),
                     "log_level": logging.getLogger().getEffectiveLevel(),
-                    "build_loop": build_loop,
                 },
                 name=f"EngineCore_{engine_index}",
                 daemon=True,

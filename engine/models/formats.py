@@ -8,16 +8,17 @@ call that format's reader; arch.py and tokenizer.py know no format beyond their 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from engine.models.arch import ModelArch
-from engine.models.causal_lm import CausalLM
 from engine.models.gguf_file import load_gguf_arch, open_gguf
 from engine.models.gguf_tokenizer import gguf_tokenizer
-from engine.models.gguf_weights import load_gguf_weights
 from engine.models.hf_config import load_hf_arch
 from engine.models.source import is_gguf, resolve_model
 from engine.models.tokenizer import Tokenizer
-from engine.models.weights import load_hf_weights
+
+if TYPE_CHECKING:
+    from engine.models.causal_lm import CausalLM
 
 
 def load_arch(model: str) -> ModelArch:
@@ -38,8 +39,13 @@ def load_tokenizer(model: str) -> Tokenizer:
 
 def load_weights(model: CausalLM, path: str) -> None:
     """Fill `model` from the safetensors of a directory or the tensors of a GGUF file (a path
-    resolve_model returned)."""
+    resolve_model returned). The readers (torch) are imported here, not with the module: the
+    API server reads archs and tokenizers through this module without loading torch."""
     if is_gguf(path):
+        from engine.models.gguf_weights import load_gguf_weights
+
         load_gguf_weights(model, path)
     else:
+        from engine.models.weights import load_hf_weights
+
         load_hf_weights(model, path)

@@ -18,7 +18,7 @@ class PushSpec(NixlSpec):
     pins_prefill_leg = True
 
     def params_validator(self, config: ConnectorConfig) -> KVParamsValidator | None:
-        from kvconnector.push.connector import request_params_validator
+        from kvconnector.push.params import request_params_validator
 
         return request_params_validator(config)  # type: ignore[arg-type]
 

@@ -12,27 +12,38 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engine.models.arch import ModelArch
-from engine.models.causal_lm import CausalLM
-from engine.models.parallel import Collectives, check_tp
-from engine.models.slots import Slot
+
+if TYPE_CHECKING:  # the module and its tensors are loaded only where a model is built
+    import torch
+
+    from engine.models.causal_lm import CausalLM
+    from engine.models.parallel import Collectives
+    from engine.models.slots import Slot
 
 # config.json -> the family's own ModelArch fields (qkv_bias, o_bias, qk_norm, ...);
 # (cfg, architecture name) -> fields; raises ValueError naming what the family cannot run.
 ConfigFn = Callable[[dict[str, Any], str], dict[str, Any]]
-LayerSlotsFn = Callable[[CausalLM, int], dict[str, Slot]]
-BuildFn = Callable[..., CausalLM]
+LayerSlotsFn = Callable[["CausalLM", int], "dict[str, Slot]"]
+BuildFn = Callable[..., "CausalLM"]
 
 
 def build_causal_lm(arch: ModelArch, dtype: torch.dtype, device: torch.device | str = "cpu",
                     tp_rank: int = 0, tp_size: int = 1,
                     comm: Collectives | None = None) -> CausalLM:
     """The Llama-shaped decoder (engine/models/causal_lm.py) most families run on."""
+    from engine.models.causal_lm import CausalLM
+
     return CausalLM(arch, dtype, device, tp_rank=tp_rank, tp_size=tp_size, comm=comm)
+
+
+def check_tp(arch: ModelArch, tp_size: int) -> None:
+    """The tensor-parallel checks of the Llama-shaped decoder (engine/models/parallel.py)."""
+    from engine.models.parallel import check_tp as check
+
+    check(arch, tp_size)
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,8 @@ def llama_layer_slots(model: CausalLM, i: int) -> dict[str, Slot]:
     """Layer i's Hugging Face tensors in a Llama-shaped model, and this rank's share of each:
     q/k/v, gate/up by rows (KV heads from the layout's first KV head), o_proj and down_proj by
     columns; biases and q/k norms where the layer has them."""
+    from engine.models.slots import Slot
+
     layer = model.layers[i]
     a, lay = model.arch, model.layout
     qs, kvs, inter = layer.q_size, layer.kv_size, layer.inter_size
