@@ -114,6 +114,10 @@ class KVConnectorWorker:
     def get_finished(self) -> KVConnectorOutput:
         return KVConnectorOutput()
 
+    def set_wakeup(self, wake: Callable[[], None]) -> bool:
+        """Call `wake` (any thread) when `get_finished` has news; False: the engine polls."""
+        return False
+
     def table_sizes(self) -> dict[str, int]:
         return {}
 
@@ -180,6 +184,11 @@ class ConnectorSpec:
 
     def is_prefill_leg(self, kv_transfer_params: Any) -> bool:
         """True when these (raw) params make the request a prefill leg."""
+        return False
+
+    def prefilled_elsewhere(self, kv_transfer_params: Any) -> bool:
+        """True when these (raw) params make the request a decode leg whose prompt KV comes
+        from another engine (no prefill forward here: no prompt logprobs)."""
         return False
 
     def prompt_params(self, kv_transfer_params: dict[str, Any], index: int, count: int

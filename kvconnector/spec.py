@@ -69,6 +69,10 @@ class NixlSpec(ConnectorSpec):
         return (isinstance(kv_transfer_params, dict)
                 and kv_transfer_params.get(PREFILL_FLAG) is True)
 
+    def prefilled_elsewhere(self, kv_transfer_params: Any) -> bool:
+        return isinstance(kv_transfer_params, dict) and bool(
+            kv_transfer_params.get(DECODE_FLAG))
+
     def prompt_params(self, kv_transfer_params: dict[str, Any], index: int, count: int
                       ) -> dict[str, Any] | None:
         """Each prompt of a list is its own transfer: P and D derive the same transfer_id for

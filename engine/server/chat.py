@@ -74,7 +74,7 @@ async def create_chat_completion(
 ) -> Response:
     ctx.check_model(body.model)
     params = ctx.with_defaults(body, body.to_sampling_params())
-    check_prompt_logprobs_leg(params, body.kv_transfer_params)
+    check_prompt_logprobs_leg(params, body.kv_transfer_params, ctx.kv_spec)
     prompt = render_chat_prompt(
         ctx.tokenizer, body.message_dicts(), add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,

@@ -72,7 +72,7 @@ async def create_completion(
 ) -> Response:
     ctx.check_model(body.model)
     params = ctx.with_defaults(body, body.to_sampling_params())
-    check_prompt_logprobs_leg(params, body.kv_transfer_params)
+    check_prompt_logprobs_leg(params, body.kv_transfer_params, ctx.kv_spec)
     prompts = body.prompts()
     rid = make_request_id(request, "cmpl")
     ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.protocol import Logprobs
 from engine.server.errors import APIError
@@ -22,6 +22,9 @@ from engine.server.openai_protocol import (
     TopLogprob,
 )
 
+if TYPE_CHECKING:
+    from engine.connector_api import ConnectorSpec
+
 _FLOOR = -9999.0
 
 
@@ -31,15 +34,17 @@ def _finite(lp: float | None) -> float:
     return max(float(lp), _FLOOR)
 
 
-def check_prompt_logprobs_leg(params: Any, kv_transfer_params: dict[str, Any] | None) -> None:
+def check_prompt_logprobs_leg(params: Any, kv_transfer_params: dict[str, Any] | None,
+                              spec: ConnectorSpec | None) -> None:
     """Prompt logprobs come from the prefill's forward pass: a decode leg whose prompt KV
-    arrives from another engine computes no prompt rows, so it is refused, never answered
-    with holes (the proxy sends such requests to one engine that prefills them itself)."""
-    if params.prompt_logprobs is not None and (kv_transfer_params or {}).get(
-            "do_remote_prefill"):
+    arrives from another engine (the connector's spec says which params mean that) computes no
+    prompt rows, so it is refused, never answered with holes (the proxy sends such requests to
+    one engine that prefills them itself)."""
+    if (params.prompt_logprobs is not None and spec is not None
+            and spec.prefilled_elsewhere(kv_transfer_params)):
         raise APIError("prompt_logprobs (or echo with logprobs) cannot be computed on a decode "
-                       "leg with do_remote_prefill: the prompt is prefilled elsewhere",
-                       param="prompt_logprobs")
+                       "leg whose kv_transfer_params bring the prompt's KV from another engine: "
+                       "the prompt is prefilled elsewhere", param="prompt_logprobs")
 
 
 class TokenText:

@@ -98,13 +98,6 @@ def test_vllm_prompt_logprobs_field(server, reference):
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 1
 
 
-def test_prompt_logprobs_refused_on_a_remote_prefill_leg(server):
-    r = httpx.post(server.url + "/v1/completions", json={
-        "prompt": PROMPT, "prompt_logprobs": 1,
-        "kv_transfer_params": {"do_remote_prefill": True}}, timeout=30)
-    assert r.status_code == 400 and "prompt_logprobs" in r.text
-
-
 def test_cached_tokens_in_usage(server):
     body = {"prompt": PROMPT[:13], "max_tokens": 1}
     _post(server, "/v1/completions", body)

@@ -53,3 +53,14 @@ def test_echo_logprobs_through_the_proxy_equal_transformers(dep, tiny_model: str
     assert max(abs(a - b) for a, b in zip(got[1:len(PROMPT)], ref, strict=True)) < 1e-4
     assert metric(dep.p, "pdserve:prompt_tokens_total") == p_prompts  # P never saw it
     assert "pdserve:kv_push_writes_total" in httpx.get(dep.p.url + "/metrics").text
+
+
+def test_prompt_logprobs_refused_on_a_decode_leg_receiving_kv(dep):
+    """A D leg whose prompt KV comes from P runs no prefill forward: no prompt rows to give."""
+    info = httpx.get(dep.p.url + "/kv_transfer/info", timeout=10).json()
+    r = httpx.post(dep.d.url + "/v1/completions", json={
+        "model": "m", "prompt": PROMPT, "prompt_logprobs": 1, "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": info["engine_id"],
+                               "remote_host": info["kv_host"], "remote_port": info["kv_port"],
+                               "tp_size": info["tp_size"]}}, timeout=30)
+    assert r.status_code == 400 and "prompt_logprobs" in r.text
