@@ -12,7 +12,7 @@ integer or float field takes a JSON `true`/`false` (pydantic's lax mode would re
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -28,6 +28,7 @@ from pydantic_core import PydanticCustomError
 from engine.protocol import RequestOutputKind, SamplingParams
 from engine.server.body_check import body_problem
 from engine.server.errors import APIError, from_value_error
+from engine.server.refused_fields import CHAT_REFUSED, COMPLETION_REFUSED, refused_field
 
 _MAX_N = 128
 
@@ -49,13 +50,15 @@ Float = Annotated[FiniteFloat, NoBool]
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    refused_fields: ClassVar[frozenset[str]] = frozenset()  # refused_fields.py: a 400 each
 
     @model_validator(mode="before")
     @classmethod
     def _admissible(cls, data: Any) -> Any:
         """The whole body, before any field: text that is not valid Unicode or nesting
-        past MAX_JSON_DEPTH is a 400 naming the field (errors.py reads the ctx)."""
-        problem = body_problem(data)
+        past MAX_JSON_DEPTH, or a field we do not implement, is a 400 naming the field
+        (errors.py reads the ctx)."""
+        problem = body_problem(data) or refused_field(data, cls.refused_fields)
         if problem is not None:
             path, what = problem
             raise PydanticCustomError("inadmissible_body", "{path}: {what}",
@@ -96,6 +99,8 @@ class _SamplingFields(_Request):
     kv_transfer_params: dict[str, Any] | None = None
     data_parallel_rank: Int32 | None = None  # pin to this DP engine of the server
     prompt_logprobs: Int32 | None = None  # vLLM's: each prompt token's logprob (+ top-N)
+    # vLLM's: streamed chunks carry each choice's new `token_ids` (and the prompt's ids first)
+    return_token_ids: bool = False
 
     def wanted_prompt_logprobs(self) -> int | None:
         """Top-N of the prompt logprobs the engine must compute (None: none)."""
@@ -156,6 +161,7 @@ PromptInput = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
 class CompletionRequest(_SamplingFields):
+    refused_fields: ClassVar[frozenset[str]] = COMPLETION_REFUSED
     prompt: PromptInput
     max_tokens: Int32 | None = 16
     logprobs: Int32 | None = None
@@ -214,6 +220,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    refused_fields: ClassVar[frozenset[str]] = CHAT_REFUSED
     messages: list[ChatMessage]
     max_tokens: Int32 | None = None
     max_completion_tokens: Int32 | None = None
