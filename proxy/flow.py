@@ -43,6 +43,7 @@ from proxy.legs import (
     run_prefill_leg,
 )
 from proxy.metrics import ProxyMetrics
+from proxy.migrate import Migrator
 from proxy.prompt_rows import wants_prompt_logprobs
 from proxy.relay import COMPLETED, RelayResponse
 from proxy.retry import RetryPair, RetryPolicy
@@ -67,6 +68,7 @@ class RequestContext:
     disconnect: asyncio.Future[None]  # done when the client has gone
     engine_request_id: str = ""  # the legs' X-Request-Id, fresh per request
     retry_open: bool = False  # a failed leg may go to another pair (proxy/retry.py)
+    migration: Any = None  # a streamed answer's migration plan (proxy/migrate.py)
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -95,6 +97,7 @@ class Dispatcher:
         self.metrics = metrics
         self._tasks: set[asyncio.Task[Any]] = set()
         self.retry = RetryPolicy(config.retries, metrics)
+        self.migrator = Migrator(self)
 
     # ---- entry ------------------------------------------------------------------------------
 
@@ -102,6 +105,7 @@ class Dispatcher:
         """The client's response (a relay, or an error). Raises ProxyError or ClientGone."""
         logger.debug("request %s: engine request id %s", ctx.request_id,
                      ctx.engine_request_id)
+        self.migrator.prepare(ctx)  # a streamed D leg reports token ids (proxy/migrate.py)
         if self.config.mode == "push":
             return await self.retry.run(ctx, lambda: self._push(ctx))
         return await self.retry.run(ctx, lambda: self._pull(ctx))
@@ -349,6 +353,7 @@ class Dispatcher:
         self, ctx: RequestContext, stream: DecodeStream, prefill: asyncio.Task[PrefillResult] | None
     ) -> RelayResponse:
         ctx.retry_open = False  # from here on the client may have bytes
+        stream = self.migrator.wrap(ctx, stream)  # a D that dies mid-stream is replaced
 
         def on_first_byte() -> None:
             self.metrics.ttft.observe(time.monotonic() - ctx.started)

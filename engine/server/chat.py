@@ -42,6 +42,7 @@ from engine.server.serving import (
     primed,
     sse,
     sse_error,
+    sse_with_ids,
     unless_disconnected,
 )
 
@@ -153,11 +154,14 @@ async def _stream(
     def usage() -> UsageInfo:
         return UsageInfo.of(state["prompt_tokens"], sum(generated.values()), state["cached"])
 
-    def chunk(choice: ChatStreamChoice) -> str:
-        return sse(ChatCompletionChunk(
+    def chunk(choice: ChatStreamChoice, token_ids: Any = (), prompt_ids: Any = None) -> str:
+        payload = ChatCompletionChunk(
             id=rid, created=created, model=ctx.model_name, choices=[choice],
             usage=usage() if body.continuous_usage else None,
-        ))
+        )
+        if body.return_token_ids:
+            return sse_with_ids(payload, token_ids, prompt_ids, prompt_on_choice=False)
+        return sse(payload)
 
     def chunks(out: Any) -> list[str]:
         if out.error:
@@ -169,7 +173,8 @@ async def _stream(
             if comp.index not in generated:
                 generated[comp.index] = 0
                 lines.append(chunk(ChatStreamChoice(
-                    index=comp.index, delta=DeltaMessage(role="assistant", content=""))))
+                    index=comp.index, delta=DeltaMessage(role="assistant", content="")),
+                    prompt_ids=out.prompt_token_ids))
             if not comp.text and not comp.token_ids and comp.finish_reason is None:
                 continue
             generated[comp.index] += len(comp.token_ids)
@@ -180,7 +185,7 @@ async def _stream(
                 index=comp.index,
                 delta=DeltaMessage(content=comp.text) if comp.text else DeltaMessage(),
                 logprobs=lp, finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
-            )))
+            ), comp.token_ids))
         return lines
 
     try:

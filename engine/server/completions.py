@@ -41,6 +41,7 @@ from engine.server.serving import (
     primed,
     sse,
     sse_error,
+    sse_with_ids,
     unless_disconnected,
 )
 
@@ -161,6 +162,7 @@ async def _stream(
     generated: dict[int, int] = {}
     offsets: dict[int, int] = {}
     cached: dict[int, int] = {}
+    with_ids: set[int] = set()  # choices whose prompt ids were sent (return_token_ids)
 
     def usage() -> UsageInfo:
         return UsageInfo.of(sum(prompt_tokens.values()), sum(generated.values()),
@@ -202,7 +204,12 @@ async def _stream(
                                           prompt_logprobs=prompt_lps)],
                 usage=usage() if body.continuous_usage else None,
             )
-            lines.append(sse(chunk))
+            if body.return_token_ids:
+                lines.append(sse_with_ids(chunk, comp.token_ids, None if index in with_ids
+                                          else out.prompt_token_ids))
+                with_ids.add(index)
+            else:
+                lines.append(sse(chunk))
         return lines
 
     try:

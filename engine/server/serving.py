@@ -203,6 +203,18 @@ def sse(payload: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def sse_with_ids(chunk: Any, token_ids: Any, prompt_token_ids: Any = None, *,
+                 prompt_on_choice: bool = True) -> str:
+    """A one-choice stream chunk with vLLM's `return_token_ids` fields: the choice's new
+    `token_ids`, and the prompt's ids (on the choice for completions, at the top for chat)."""
+    payload = chunk.model_dump(mode="json")
+    choice = payload["choices"][0]
+    choice["token_ids"] = list(token_ids)
+    if prompt_token_ids is not None:
+        (choice if prompt_on_choice else payload)["prompt_token_ids"] = list(prompt_token_ids)
+    return sse(payload)
+
+
 def sse_error(exc: BaseException) -> str:
     """An error in the middle of a stream: the OpenAI error body as one SSE event."""
     if isinstance(exc, APIError):

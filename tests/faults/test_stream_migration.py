@@ -1,0 +1,114 @@
+"""Streams that survive a dead D (issue 30 part 4): real engines, real NIXL push, a real
+SIGKILL. 1P2D behind one proxy; 8 concurrent streamed greedy requests; the D serving some of
+them is SIGKILLed once every stream has tokens. Every stream completes without an error, each
+equal (text and usage) to the colocated answer; the migrations are counted; the surviving
+engines hold no block and no table entry afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import threading
+from typing import Any
+
+import httpx
+import pytest
+from fault_kit import signal_all
+from pd_harness import assert_no_leaks, deployment, engine_stats, metric, wait_until
+
+from engine import LLM, SamplingParams
+
+MAX_TOKENS = 400  # long enough that the kill lands mid-stream
+STREAMS = 8
+MIGRATIONS = "pdserve:proxy_migrations_total"
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 2000) for _ in range(rng.randint(20, 60))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model: str):
+    with deployment(tiny_model, "push", num_decodes=2, num_blocks=512) as dep:
+        yield dep
+
+
+def _reference(model: str, prompts: list[list[int]]) -> list[str]:
+    llm = LLM(model, num_kv_blocks=1024, max_model_len=1024, multiprocess=False)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False)
+        return [o.outputs[0].text for o in outs]
+    finally:
+        llm.shutdown()
+
+
+class Stream:
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.events: list[dict[str, Any]] = []
+        self.error: str | None = None
+        self.done = False
+
+
+async def _stream(url: str, prompt: list[int], out: Stream) -> None:
+    body = {"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        async with httpx.AsyncClient(timeout=120) as c, c.stream(
+                "POST", f"{url}/v1/completions", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    out.done = True
+                    break
+                event = json.loads(line[len("data: "):])
+                out.events.append(event)
+                if "error" in event:
+                    out.error = str(event["error"])
+                elif event["choices"]:
+                    out.text.append(event["choices"][0]["text"])
+    except httpx.HTTPError as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+
+
+def test_streams_survive_a_sigkilled_decode(pd, tiny_model):
+    prompts = _prompts(STREAMS, seed=30)
+    expected = _reference(tiny_model, prompts)
+    streams = [Stream() for _ in prompts]
+    victim, survivor = pd.decodes
+    before = metric(pd.proxy, MIGRATIONS)
+
+    async def run() -> None:
+        await asyncio.gather(*(_stream(pd.proxy.url, p, s)
+                               for p, s in zip(prompts, streams, strict=True)))
+
+    runner = threading.Thread(target=lambda: asyncio.run(run()))
+    runner.start()
+    try:
+        # every stream has tokens and the victim holds some of them, still decoding
+        wait_until(lambda: all(len(s.text) >= 3 for s in streams), 120, "every stream's tokens")
+        assert engine_stats(victim)["num_unfinished_requests"] > 0
+        signal_all(victim, signal.SIGKILL)
+    finally:
+        runner.join(180)
+    assert not runner.is_alive()
+    for i, (s, want) in enumerate(zip(streams, expected, strict=True)):
+        assert s.error is None and s.done, f"stream {i}: {s.error}"
+        assert "".join(s.text) == want, f"stream {i} differs from the colocated answer"
+        usage = s.events[-1]["usage"]
+        assert usage["prompt_tokens"] == len(prompts[i]), usage
+        assert usage["completion_tokens"] == MAX_TOKENS, usage
+        assert all("token_ids" not in c and "prompt_token_ids" not in c
+                   for e in s.events for c in e.get("choices", [])), "ids leaked to client"
+    migrated = metric(pd.proxy, MIGRATIONS) - before
+    assert migrated >= 1
+    text = httpx.get(pd.proxy.url + "/metrics", timeout=10).text
+    assert 'pdserve:proxy_migrations_total{reason="' in text
+    assert_no_leaks([pd.p, survivor], timeout=40)
