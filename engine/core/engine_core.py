@@ -27,6 +27,7 @@ from engine.protocol import (
 from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import Scheduler
 from engine.startup import freeze_startup_objects
+from engine.structured.grammars import compile_grammar
 
 if TYPE_CHECKING:
     from engine.startup import StartupWatch
@@ -72,6 +73,9 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request {request.request_id} is already running")
+        grammar = request.sampling_params.structured
+        if grammar is not None:  # refused here, not in the runner mid-step (then cached there)
+            compile_grammar(self.config.model, self.executor.kv_cache_spec.vocab_size, grammar)
         self.scheduler.add_request(Request.from_engine_core_request(request))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

@@ -25,6 +25,7 @@ from engine.runner.prompt_logprobs import PromptLogprobRows, PromptLogprobs
 from engine.runner.sampler import Sampler, build_sampling_metadata
 from engine.runner_output import ModelRunnerOutput
 from engine.sched.output import NewRequestData, SchedulerOutput
+from engine.structured.grammars import GrammarTable
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class ModelRunner:
         self.attn_kernel = kernels.paged_attention() if self.device.type == "cpu" else None
         self.sampler = Sampler()
         self.prompt_logprobs = PromptLogprobs()
+        self.grammars = GrammarTable(config.model, self.arch.vocab_size)
         self.requests: dict[str, CachedRequest] = {}
         self.connector: WorkerConnector | None = None
 
@@ -112,6 +114,7 @@ class ModelRunner:
         for rid in so.finished_req_ids | so.preempted_req_ids:
             self.requests.pop(rid, None)
             self.prompt_logprobs.drop(rid)
+            self.grammars.drop(rid)  # a preempted request's matcher is rebuilt from its tokens
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequest.from_new(new)
         for cached in so.scheduled_cached_reqs:
@@ -178,6 +181,9 @@ class ModelRunner:
                 [s.generator for s in sampling],
                 [s.eos_token_id for s in sampling],
             )
+            smeta.grammar_bitmask = self.grammars.bitmask(
+                [(s.req_id, s.params.structured, s.token_ids[s.num_prompt_tokens:])
+                 for s in sampling])
             result = self.sampler(logits, smeta)
             token_list = result.sampled_token_ids.tolist()
             for i, state in enumerate(sampling):

@@ -2,6 +2,7 @@
 
 Pipeline (each stage skipped when no row needs it):
   raw logprobs (log_softmax of the raw logits, for rows that asked)
+  -> grammar mask (tokens a constrained row's grammar forbids get -inf)
   -> min_tokens mask (stop tokens and EOS forbidden until min_tokens outputs exist)
   -> penalties (repetition over prompt+output, presence/frequency over output)
   -> greedy rows: argmax                                         (temperature < 1e-5)
@@ -26,6 +27,7 @@ from engine.runner.sampling_ops import (
     apply_penalties,
     sample_random,
 )
+from engine.structured.grammars import apply_bitmask
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "build_sampling_metadata"]
 
@@ -48,7 +50,7 @@ class Sampler:
         if meta.device != logits.device:
             meta = meta.to(logits.device)  # metadata built for another device: follow logits
         if (meta.all_greedy and meta.no_penalties and meta.min_tokens_mask is None
-                and not meta.needs_logprobs):
+                and not meta.needs_logprobs and meta.grammar_bitmask is None):
             # Hot path: plain greedy decoding is one argmax, exactly what HF greedy does.
             return SamplerOutput(logits.argmax(dim=-1), [None] * meta.num_rows)
 
@@ -57,6 +59,8 @@ class Sampler:
             raw_logprobs = self._raw_logprobs(logits, meta)
 
         logits = logits.to(torch.float32, copy=True)
+        if meta.grammar_bitmask is not None:
+            logits = apply_bitmask(logits, meta.grammar_bitmask)
         logits = apply_min_tokens_mask(logits, meta.min_tokens_mask)
         if not meta.no_penalties:
             logits = apply_penalties(

@@ -51,6 +51,9 @@ class SamplingMetadata:
     num_logprobs: list[int | None]
     max_num_logprobs: int | None  # max over rows that want logprobs; None if none do
     device: torch.device = torch.device("cpu")
+    # [N, ceil(V/32)] int32 packed allowed-token bits of constrained rows (-1: all allowed),
+    # set by the runner from its grammar table (engine/structured); None when no row has one
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def needs_logprobs(self) -> bool:

@@ -29,6 +29,7 @@ from engine.protocol import RequestOutputKind, SamplingParams
 from engine.server.body_check import body_problem
 from engine.server.errors import APIError, from_value_error
 from engine.server.refused_fields import CHAT_REFUSED, COMPLETION_REFUSED, refused_field
+from engine.structured.request import structured_output
 
 _MAX_N = 128
 
@@ -99,6 +100,13 @@ class _SamplingFields(_Request):
     kv_transfer_params: dict[str, Any] | None = None
     data_parallel_rank: Int32 | None = None  # pin to this DP engine of the server
     prompt_logprobs: Int32 | None = None  # vLLM's: each prompt token's logprob (+ top-N)
+    # structured output (engine/structured/request.py checks and merges them into one)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     # vLLM's: streamed chunks carry each choice's new `token_ids` (and the prompt's ids first)
     return_token_ids: bool = False
 
@@ -136,6 +144,13 @@ class _SamplingFields(_Request):
             "skip_special_tokens": self.skip_special_tokens,
             "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         }
+        try:
+            fields["structured"] = structured_output(
+                response_format=self.response_format, structured_outputs=self.structured_outputs,
+                guided_json=self.guided_json, guided_regex=self.guided_regex,
+                guided_choice=self.guided_choice, guided_grammar=self.guided_grammar)
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
         optional = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "presence_penalty": self.presence_penalty,
@@ -229,14 +244,10 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         if self.tools:
             raise APIError("tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError("only response_format type 'text' is supported",
-                           param="response_format")
         if not self.messages:
             raise APIError("messages must not be empty", param="messages")
         if self.top_logprobs is not None and not self.logprobs:

@@ -15,16 +15,15 @@ from typing import Any
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none",),
     "parallel_tool_calls": (True, False),  # meaningless without tools, which are refused
-    "response_format": ({"type": "text"},),
+    "guided_decoding_backend": ("xgrammar", "auto"),  # the one we run
     "use_beam_search": (False,),
     "echo": (False,),
 }
 
 # Fields of both generation routes (vLLM's sampling and structured-output extras).
 _COMMON = (
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
-    "response_format", "allowed_token_ids", "bad_words", "logits_processors",
+    "guided_decoding_backend", "guided_whitespace_pattern", "allowed_token_ids", "bad_words",
+    "logits_processors",
     "use_beam_search", "length_penalty", "truncate_prompt_tokens", "vllm_xargs",
     "return_tokens_as_token_ids",
 )

@@ -13,7 +13,7 @@ from engine.server.refused_fields import CHAT_REFUSED, COMPLETION_REFUSED
 USER = [{"role": "user", "content": "hi"}]
 ASKING = {
     "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"],
-    "guided_grammar": "root ::= \"a\"", "guided_decoding_backend": "xgrammar",
+    "guided_grammar": "root ::= \"a\"", "guided_decoding_backend": "outlines",
     "guided_whitespace_pattern": " ", "structured_outputs": {"json": {"type": "object"}},
     "response_format": {"type": "json_object"}, "allowed_token_ids": [1, 2],
     "bad_words": ["x"], "logits_processors": ["x"], "use_beam_search": True,

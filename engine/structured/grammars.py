@@ -1,0 +1,122 @@
+"""xgrammar where the model runs: compiled grammars (cached) and each request's matcher.
+
+`GrammarTable` is owned by one model runner and used on its thread only. Each step, before
+sampling, `bitmask` brings every constrained request's matcher up to the request's output
+tokens (the tokens this runner sampled, a first token another engine sampled and this one
+was seeded with, or all of them again after a preemption: the matcher is rebuilt from the
+tokens, so it never disagrees with them) and fills that row's allowed-token bitmask
+(packed int32 [N, ceil(V/32)], -1 = all allowed). `apply_bitmask` masks logits with it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.protocol import StructuredOutput
+
+logger = logging.getLogger(__name__)
+
+_COMPILERS: dict[tuple[str, int], Any] = {}  # (tokenizer path, vocab) -> GrammarCompiler
+_LOCK = threading.Lock()
+
+
+def _compiler(tokenizer_path: str, vocab_size: int) -> Any:
+    """One xgrammar compiler per tokenizer in the process; it caches compiled grammars."""
+    key = (tokenizer_path, vocab_size)
+    with _LOCK:
+        if key not in _COMPILERS:
+            import xgrammar as xgr
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(tokenizer_path)
+            info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size)
+            _COMPILERS[key] = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+        return _COMPILERS[key]
+
+
+def _choice_grammar(spec: str) -> str:
+    alternatives = " | ".join(json.dumps(c) for c in json.loads(spec))
+    return f"root ::= {alternatives}"
+
+
+def compile_grammar(tokenizer_path: str, vocab_size: int, spec: StructuredOutput) -> Any:
+    """The compiled grammar (from the cache after the first time). ValueError: uncompilable."""
+    try:
+        c = _compiler(tokenizer_path, vocab_size)
+        # compact JSON: free whitespace lets a weak model pad forever and never close
+        if spec.kind == "json":
+            return c.compile_json_schema(spec.spec, any_whitespace=False, strict_mode=True)
+        if spec.kind == "json_object":
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if spec.kind == "regex":
+            return c.compile_regex(spec.spec)
+        if spec.kind == "choice":
+            return c.compile_grammar(_choice_grammar(spec.spec))
+        return c.compile_grammar(spec.spec)
+    except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the reason
+        raise ValueError(f"structured output ({spec.kind}) cannot be compiled: {exc}") from exc
+
+
+@dataclass
+class _Matched:
+    matcher: Any
+    accepted: int = 0  # output tokens the matcher has consumed
+
+
+class GrammarTable:
+    def __init__(self, tokenizer_path: str, vocab_size: int) -> None:
+        self.tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size
+        self._matched: dict[str, _Matched] = {}
+        self.num_rejected_tokens = 0  # output tokens a matcher refused (never expected)
+
+    def drop(self, req_id: str) -> None:
+        self._matched.pop(req_id, None)
+
+    def _matcher(self, req_id: str, spec: StructuredOutput) -> _Matched:
+        m = self._matched.get(req_id)
+        if m is None:
+            import xgrammar as xgr
+
+            grammar = compile_grammar(self.tokenizer_path, self.vocab_size, spec)
+            m = self._matched[req_id] = _Matched(xgr.GrammarMatcher(grammar))
+        return m
+
+    def _catch_up(self, req_id: str, m: _Matched, outputs: list[int]) -> None:
+        for tok in outputs[m.accepted:]:
+            if not m.matcher.is_terminated() and not m.matcher.accept_token(tok):
+                self.num_rejected_tokens += 1
+                logger.warning("request %s: output token %d breaks its grammar", req_id, tok)
+        m.accepted = len(outputs)
+
+    def bitmask(self, rows: list[tuple[str, StructuredOutput | None, list[int]]]
+                ) -> torch.Tensor | None:
+        """rows: (request id, grammar or None, output tokens so far), one per sampled row."""
+        if all(spec is None for _, spec, _ in rows):
+            return None
+        words = (self.vocab_size + 31) // 32
+        mask = torch.full((len(rows), words), -1, dtype=torch.int32)
+        for i, (req_id, spec, outputs) in enumerate(rows):
+            if spec is None:
+                continue
+            m = self._matcher(req_id, spec)
+            self._catch_up(req_id, m, outputs)
+            m.matcher.fill_next_token_bitmask(mask, i)
+        return mask
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] with every token the row's bitmask forbids set to -inf (in place)."""
+    n, vocab = logits.shape
+    shifts = _SHIFTS.to(bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(n, -1)[:, :vocab].bool()
+    return logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
