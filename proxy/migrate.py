@@ -207,68 +207,10 @@ class MigratingStream:
         return b"".join(out), None
 
     def _note(self, obj: dict[str, Any]) -> dict[str, Any]:
-        plan = self.plan
-        continuation = plan.legs > 0
-        if not continuation and not plan.head:
-            plan.head = {k: obj[k] for k in ("id", "created", "model") if k in obj}
-        top_prompt = obj.pop("prompt_token_ids", None)
-        if plan.prompt_ids is None and isinstance(top_prompt, list):
-            plan.prompt_ids = top_prompt
-        choices = obj.get("choices") or []
-        for choice in choices:
-            if not isinstance(choice, dict):
-                continue
-            prompt = choice.get("prompt_token_ids")
-            if plan.prompt_ids is None and isinstance(prompt, list):
-                plan.prompt_ids = prompt
-            ids = choice.get("token_ids") or []
-            text = choice.get("text") if "text" in choice else (
-                (choice.get("delta") or {}).get("content"))
-            if isinstance(ids, list):
-                plan.pending.extend(ids)
-            if text:
-                plan.sent.extend(plan.pending)
-                plan.pending = []
-            if choice.get("finish_reason") is not None:
-                self._finished = True
-                plan.sent.extend(plan.pending)
-                plan.pending = []
-            for key in _IDS:
-                if key == "prompt_token_ids" and plan.client_ids and not continuation:
-                    continue
-                if key == "token_ids" and plan.client_ids:
-                    continue
-                choice.pop(key, None)
-        if plan.client_ids and top_prompt is not None and not continuation:
-            obj["prompt_token_ids"] = top_prompt
-        if continuation:
-            obj = self._rewrite(obj)
-        return obj
-
-    def _rewrite(self, obj: dict[str, Any]) -> dict[str, Any]:
-        """A continuation leg's completions event, as the client's answer goes on."""
-        plan = self.plan
-        chat = self.ctx.route == CHAT
-        obj.update(plan.head)
-        if chat:
-            obj["object"] = "chat.completion.chunk"
-            choices = []
-            for c in obj.get("choices") or []:
-                text = c.pop("text", "")
-                choice = {"index": c.get("index", 0),
-                          "delta": {"content": text} if text else {},
-                          "logprobs": None, "finish_reason": c.get("finish_reason"),
-                          "stop_reason": c.get("stop_reason")}
-                if "token_ids" in c:
-                    choice["token_ids"] = c["token_ids"]
-                choices.append(choice)
-            obj["choices"] = choices
-        usage = obj.get("usage")
-        if isinstance(usage, dict) and plan.prompt_ids is not None:
-            prompt = len(plan.prompt_ids)
-            completion = plan.base + int(usage.get("completion_tokens", 0))
-            usage.update(prompt_tokens=prompt, completion_tokens=completion,
-                         total_tokens=prompt + completion)
+        finished = note_event(self.plan, obj)
+        self._finished = self._finished or finished
+        if self.plan.legs > 0:
+            return rewrite_event(obj, self.plan, self.ctx.route == CHAT)
         return obj
 
     # ---- the next leg -----------------------------------------------------------------------
@@ -335,3 +277,64 @@ class MigratingStream:
         if broke.exc is not None:
             return broke.exc
         return aiohttp.ClientPayloadError(f"decode stream ended early ({broke.reason})")
+
+
+def note_event(plan: Plan, obj: dict[str, Any]) -> bool:
+    """Note the ids `obj` (one of D's stream events) relays and strip them unless the client
+    asked; True when it finishes the choice. Ids whose text is still empty stay pending: the
+    client has not seen their text (part of a multi-byte character, or none), so a
+    continuation regenerates them instead of starting after them."""
+    continuation = plan.legs > 0
+    finished = False
+    if not continuation and not plan.head:
+        plan.head = {k: obj[k] for k in ("id", "created", "model") if k in obj}
+    top_prompt = obj.pop("prompt_token_ids", None)
+    if plan.prompt_ids is None and isinstance(top_prompt, list):
+        plan.prompt_ids = top_prompt
+    for choice in obj.get("choices") or []:
+        if not isinstance(choice, dict):
+            continue
+        prompt = choice.get("prompt_token_ids")
+        if plan.prompt_ids is None and isinstance(prompt, list):
+            plan.prompt_ids = prompt
+        ids = choice.get("token_ids") or []
+        text = choice.get("text") if "text" in choice else (
+            (choice.get("delta") or {}).get("content"))
+        if isinstance(ids, list):
+            plan.pending.extend(ids)
+        if text or choice.get("finish_reason") is not None:
+            finished = finished or choice.get("finish_reason") is not None
+            plan.sent.extend(plan.pending)
+            plan.pending = []
+        if not plan.client_ids:
+            choice.pop("token_ids", None)
+        if not plan.client_ids or continuation:
+            choice.pop("prompt_token_ids", None)
+    if plan.client_ids and top_prompt is not None and not continuation:
+        obj["prompt_token_ids"] = top_prompt
+    return finished
+
+
+def rewrite_event(obj: dict[str, Any], plan: Plan, chat: bool) -> dict[str, Any]:
+    """A continuation leg's completions event, as the client's answer goes on."""
+    obj.update(plan.head)
+    if chat:
+        obj["object"] = "chat.completion.chunk"
+        choices = []
+        for c in obj.get("choices") or []:
+            text = c.pop("text", "")
+            choice = {"index": c.get("index", 0),
+                      "delta": {"content": text} if text else {},
+                      "logprobs": None, "finish_reason": c.get("finish_reason"),
+                      "stop_reason": c.get("stop_reason")}
+            if "token_ids" in c:
+                choice["token_ids"] = c["token_ids"]
+            choices.append(choice)
+        obj["choices"] = choices
+    usage = obj.get("usage")
+    if isinstance(usage, dict) and plan.prompt_ids is not None:
+        prompt = len(plan.prompt_ids)
+        completion = plan.base + int(usage.get("completion_tokens", 0))
+        usage.update(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion)
+    return obj

@@ -1,8 +1,10 @@
 """Streams that survive a dead D (issue 30 part 4): real engines, real NIXL push, a real
-SIGKILL. 1P2D behind one proxy; 8 concurrent streamed greedy requests; the D serving some of
-them is SIGKILLed once every stream has tokens. Every stream completes without an error, each
-equal (text and usage) to the colocated answer; the migrations are counted; the surviving
-engines hold no block and no table entry afterwards."""
+SIGKILL. 1P2D behind one proxy; 8 concurrent streamed greedy requests (6 completions, 2 chats
+whose client asks for return_token_ids itself); the D serving some of them is SIGKILLed once
+every stream has tokens. Every stream completes without an error, each equal (text and usage)
+to the colocated answer; the migrations are counted; the surviving engines hold no block and
+no table entry afterwards. With --retries 0 (no migration: the old relay) streams end with a
+decode_failed error event."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from engine import LLM, SamplingParams
 
 MAX_TOKENS = 400  # long enough that the kill lands mid-stream
 STREAMS = 8
+CHATS = 2  # the last CHATS streams are chats
 MIGRATIONS = "pdserve:proxy_migrations_total"
 
 
@@ -53,14 +56,22 @@ class Stream:
         self.events: list[dict[str, Any]] = []
         self.error: str | None = None
         self.done = False
+        self.prompt_ids: list[int] | None = None  # chat: as the first chunk reported them
 
 
-async def _stream(url: str, prompt: list[int], out: Stream) -> None:
-    body = {"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+async def _stream(url: str, prompt: list[int], out: Stream, chat: bool) -> None:
+    body: dict[str, Any] = {"model": "m", "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                            "ignore_eos": True, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if chat:
+        body.update(messages=[{"role": "user", "content": f"the cache {prompt[0]}"}],
+                    return_token_ids=True)
+    else:
+        body["prompt"] = prompt
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     try:
         async with httpx.AsyncClient(timeout=120) as c, c.stream(
-                "POST", f"{url}/v1/completions", json=body) as r:
+                "POST", url + path, json=body) as r:
             assert r.status_code == 200, await r.aread()
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
@@ -73,21 +84,23 @@ async def _stream(url: str, prompt: list[int], out: Stream) -> None:
                 if "error" in event:
                     out.error = str(event["error"])
                 elif event["choices"]:
-                    out.text.append(event["choices"][0]["text"])
+                    choice = event["choices"][0]
+                    out.prompt_ids = out.prompt_ids or event.get("prompt_token_ids")
+                    out.text.append(choice["delta"].get("content", "") if chat
+                                    else choice["text"])
     except httpx.HTTPError as exc:
         out.error = f"{type(exc).__name__}: {exc}"
 
 
 def test_streams_survive_a_sigkilled_decode(pd, tiny_model):
     prompts = _prompts(STREAMS, seed=30)
-    expected = _reference(tiny_model, prompts)
     streams = [Stream() for _ in prompts]
     victim, survivor = pd.decodes
     before = metric(pd.proxy, MIGRATIONS)
 
     async def run() -> None:
-        await asyncio.gather(*(_stream(pd.proxy.url, p, s)
-                               for p, s in zip(prompts, streams, strict=True)))
+        await asyncio.gather(*(_stream(pd.proxy.url, p, s, i >= STREAMS - CHATS)
+                               for i, (p, s) in enumerate(zip(prompts, streams, strict=True))))
 
     runner = threading.Thread(target=lambda: asyncio.run(run()))
     runner.start()
@@ -99,14 +112,19 @@ def test_streams_survive_a_sigkilled_decode(pd, tiny_model):
     finally:
         runner.join(180)
     assert not runner.is_alive()
+    for s in streams[STREAMS - CHATS:]:
+        assert s.prompt_ids, "a chat client that asked return_token_ids got the prompt's ids"
+    prompts[STREAMS - CHATS:] = [s.prompt_ids for s in streams[STREAMS - CHATS:]]
+    expected = _reference(tiny_model, prompts)
     for i, (s, want) in enumerate(zip(streams, expected, strict=True)):
         assert s.error is None and s.done, f"stream {i}: {s.error}"
         assert "".join(s.text) == want, f"stream {i} differs from the colocated answer"
         usage = s.events[-1]["usage"]
         assert usage["prompt_tokens"] == len(prompts[i]), usage
         assert usage["completion_tokens"] == MAX_TOKENS, usage
-        assert all("token_ids" not in c and "prompt_token_ids" not in c
-                   for e in s.events for c in e.get("choices", [])), "ids leaked to client"
+        if i < STREAMS - CHATS:
+            assert all("token_ids" not in c and "prompt_token_ids" not in c
+                       for e in s.events for c in e.get("choices", [])), "ids leaked"
     migrated = metric(pd.proxy, MIGRATIONS) - before
     assert migrated >= 1
     text = httpx.get(pd.proxy.url + "/metrics", timeout=10).text
