@@ -33,6 +33,9 @@ class Backend:
     outstanding: int = 0
     last_error: str = "not checked yet"
     pending_tokens: int = 0  # prompt tokens of the legs in flight (proxy/routing.py)
+    # a decode backend's load as its last health poll read it (/metrics); None: unknown
+    free_kv_blocks: int | None = None
+    running_requests: int | None = None
     # data-parallel prefill servers: outstanding legs per rank, and where ties start
     rank_outstanding: dict[int, int] = field(default_factory=dict)
     rank_cursor: int = 0
@@ -201,6 +204,27 @@ class BackendPool:
         self._cursor = 0
 
 
+_LOAD_GAUGES = {"pdserve:num_free_kv_blocks": 0, "pdserve:num_requests_running": 1}
+
+
+def parse_load(text: str) -> tuple[int | None, int | None]:
+    """(free KV blocks, running requests) from an engine's Prometheus text, summed over its
+    data-parallel ranks; None for a gauge missing or malformed."""
+    found: list[float | None] = [None, None]
+    for line in text.splitlines():
+        i = _LOAD_GAUGES.get(line.split("{", 1)[0].split(" ", 1)[0])
+        if i is None:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            return None, None
+        if not 0 <= value < 2**53:
+            return None, None
+        found[i] = (found[i] or 0) + value
+    return tuple(None if v is None else int(v) for v in found)  # type: ignore[return-value]
+
+
 class HealthMonitor:
     """Polls `GET /health` of every backend every `interval` seconds; 200 means in rotation."""
 
@@ -252,7 +276,23 @@ class HealthMonitor:
             return False
         ok = resp.status_code == 200
         pool.health_result(backend, ok, "" if ok else f"health check answered {resp.status_code}")
+        if pool.role == DECODE:
+            await self._poll_load(backend, ok)
         return ok
+
+    async def _poll_load(self, backend: Backend, healthy: bool) -> None:
+        """A decode backend's free KV blocks and running requests (its /metrics gauges, no
+        engine round-trip), for the kv-aware policy; unknown (None) when unreadable."""
+        load: tuple[int | None, int | None] = (None, None)
+        if healthy:
+            try:
+                resp = await self._client.get(backend.url + "/metrics", headers=self._headers,
+                                              timeout=self._timeout)
+                if resp.status_code == 200:
+                    load = parse_load(resp.text)
+            except httpx.HTTPError:
+                pass
+        backend.free_kv_blocks, backend.running_requests = load
 
     def start(self) -> None:
         assert self._task is None, "health monitor started twice"

@@ -90,6 +90,11 @@ class PrefixIndex:
         """After a gap the replay could not fill: the rank's view is unknown, start empty."""
         self.ranks.setdefault(url, {})[rank] = RankCache()
 
+    def block_size(self, url: str) -> int:
+        """`url`'s KV block size as its events name it (the engine default without)."""
+        ranks = self.ranks.get(url)
+        return next(iter(ranks.values())).block_size if ranks else DEFAULT_BLOCK_SIZE
+
     def cached_hashes(self, url: str, rank: int) -> set[int]:
         return set(self.ranks.get(url, {}).get(rank, RankCache()).hashes)
 

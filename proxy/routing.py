@@ -5,7 +5,10 @@
   round-robin        P and D in turn, whatever their load.
   kv-aware           (default) scores each P by the prompt tokens it would compute (those
                      its prefix cache lacks) plus the prompt tokens already queued on it, and
-                     each D by what it lacks plus DECODE_LOAD_TOKENS per leg in flight. With
+                     each D by what it lacks plus DECODE_LOAD_TOKENS per request running
+                     there (its legs in flight, or the running requests its last health poll
+                     read, whichever is more); a D whose free KV blocks (that poll) cannot
+                     hold the part it lacks is chosen only when no D can. With
                      `--disagg-min-tokens N`, a request whose uncached part on the chosen D
                      is below N runs on D alone ("short_uncached"), and so does one that finds
                      every P saturated (`--prefill-max-outstanding` legs each) while D has
@@ -60,6 +63,15 @@ class RequestView:
 
     def uncached(self, backend: Backend) -> int:
         return self.num_tokens - self.matched(backend)
+
+    def fits(self, backend: Backend) -> bool:
+        """Whether a D has the free KV blocks for the prompt's part it lacks (as its last
+        health poll read them; unknown counts as room)."""
+        free = backend.free_kv_blocks
+        if free is None:
+            return True
+        bs = self.index.block_size(backend.url)
+        return free * bs >= self.uncached(backend) + 1
 
 
 @dataclass
@@ -119,11 +131,13 @@ class KVAware:
 
     def route(self, view: RequestView, prefill: Sequence[Backend], decode: Sequence[Backend],
               ) -> Route:
-        d = min(decode, key=lambda b: view.uncached(b) + DECODE_LOAD_TOKENS * b.outstanding)
+        d = min(decode, key=lambda b: (not view.fits(b), view.uncached(b) + DECODE_LOAD_TOKENS
+                                       * max(b.outstanding, b.running_requests or 0)))
         p = sorted(prefill, key=lambda b: (view.uncached(b) + b.pending_tokens, b.outstanding))
         if view.tokens is None:
             return Route(d, p, "no_tokens")
-        d_room = not self.decode_max_outstanding or d.outstanding < self.decode_max_outstanding
+        d_room = view.fits(d) and (not self.decode_max_outstanding
+                                   or d.outstanding < self.decode_max_outstanding)
         if view.uncached(d) < self.disagg_min_tokens and d_room:
             return Route(d, [], "short_uncached", alone=True)
         if p and self.prefill_max_outstanding and d_room and all(

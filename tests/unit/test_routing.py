@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import http.server
+import threading
+
+import httpx
+
 from engine.kv_events import BlockStored
-from proxy.backends import Backend
+from proxy.backends import Backend, BackendPool, HealthMonitor
+from proxy.metrics import ProxyMetrics
 from proxy.prefix_index import PrefixIndex, chain_hashes
 from proxy.routing import KVAware, LeastOutstanding, RequestView
 
@@ -61,3 +68,72 @@ def test_routed_prompts_stand_in_for_events_on_backends_that_publish_none():
     index.expect_events("http://p1")
     index.routed_to("http://p1", HISTORY, memo)  # events are the truth there
     assert index.matched_tokens("http://p1", HISTORY, {}) == 0
+
+
+def test_kv_aware_chooses_no_d_without_free_kv_for_the_prompt_while_another_has_room():
+    p0, d0, d1 = _backends("http://p0", "http://d0", "http://d1")
+    turn = HISTORY + list(range(500, 540))  # D0 holds 160 tokens of 200, D1 none
+    index = _index_holding("http://d0", HISTORY)
+    policy = KVAware()
+    assert policy.route(RequestView(turn, index), [p0], [d0, d1]).decode is d0
+    d0.free_kv_blocks = 2  # 32 tokens of room: not enough for the 40 it lacks
+    assert policy.route(RequestView(turn, index), [p0], [d0, d1]).decode is d1
+    d0.free_kv_blocks, d1.free_kv_blocks = 3, 0  # 48 tokens fit; D1 has none
+    assert policy.route(RequestView(turn, index), [p0], [d0, d1]).decode is d0
+    # running requests the health poll read (other proxies' legs) weigh as legs in flight
+    d0.free_kv_blocks = d1.free_kv_blocks = None
+    d0.running_requests = 3
+    assert policy.route(RequestView(turn, index), [p0], [d0, d1]).decode is d1
+    # a short follow-up does not run alone on a D without the room to prefill it
+    d0.running_requests, d1.free_kv_blocks = None, 0
+    alone = KVAware(disagg_min_tokens=64)
+    short = RequestView(HISTORY + [7] * 20, index)
+    assert alone.route(short, [p0], [d0, d1]).alone is True
+    d0.free_kv_blocks = 1  # 16 tokens: the 20 it lacks do not fit
+    route = alone.route(short, [p0], [d0, d1])
+    assert route.alone is False and route.prefill == [p0]
+
+
+class _Engine(http.server.BaseHTTPRequestHandler):
+    metrics = ""
+    hits: list[str] = []
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.hits.append(self.path)
+        body = (self.metrics if self.path == "/metrics" else "ok").encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_the_health_poll_reads_each_d_free_kv_blocks_and_running_requests():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Engine)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    metrics = ProxyMetrics()
+    prefill, decode = BackendPool("prefill", [url], metrics), BackendPool("decode", [url], metrics)
+    d = decode.backends[0]
+
+    async def poll(text: str) -> None:
+        _Engine.metrics = text
+        async with httpx.AsyncClient() as client:
+            await HealthMonitor([prefill, decode], client, interval=60,
+                                timeout=5).check_once()
+    try:
+        _Engine.hits.clear()
+        asyncio.run(poll('pdserve:num_free_kv_blocks{engine="0"} 7.0\n'
+                         'pdserve:num_free_kv_blocks{engine="1"} 5.0\n'
+                         '# HELP pdserve:num_requests_running x\n'
+                         'pdserve:num_requests_running{engine="0"} 2.0\n'))
+        assert (d.free_kv_blocks, d.running_requests, d.healthy) == (12, 2, True)
+        assert sorted(_Engine.hits) == ["/health", "/health", "/metrics"]  # D's only
+        assert prefill.backends[0].free_kv_blocks is None
+        asyncio.run(poll("pdserve:num_free_kv_blocks{engine=\"0\"} nan\n"))  # malformed
+        assert (d.free_kv_blocks, d.running_requests, d.healthy) == (None, None, True)
+    finally:
+        server.shutdown()
+        server.server_close()
