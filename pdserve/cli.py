@@ -29,6 +29,8 @@ _BENCH = {
                  "prefill/decode against this CPU's FMA peak and memory bandwidth"),
     "broadcast": ("pdserve.bench.broadcast", "add_args", "main",
                   "TP step message to workers: shm ring vs ZeroMQ"),
+    "multiturn": ("pdserve.bench.multiturn", "add_args", "main",
+                  "routing policies side by side on multi-turn chat (2P1D, 2P2D)"),
 }
 
 
