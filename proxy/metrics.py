@@ -20,6 +20,12 @@ _LATENCY_BUCKETS = (
     20.0, 40.0, 80.0, 160.0, 640.0,
 )
 
+# end-to-end: vLLM's request-latency buckets (to 7680 s), not the first-byte ones above
+_REQUEST_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -46,7 +52,7 @@ class ProxyMetrics:
         self.e2e = Histogram(
             "pdserve:proxy_e2e_request_latency_seconds",
             "Time from the client request to the end of the relayed response.",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            buckets=_REQUEST_BUCKETS, registry=r,
         )
         self.outstanding = Gauge(
             "pdserve:proxy_outstanding_requests", "Legs in flight to the backend.",

@@ -135,7 +135,7 @@ class OutputProcessor:
                     result.reqs_to_abort.append(state.request_id)
                 if stats is not None:
                     stats.observe_finished(state.request_id, state.stats, str(finish_reason),
-                                           state.num_prompt_tokens)
+                                           state.num_prompt_tokens, out.queued_time)
         for parent, state in touched.values():
             outputs = parent.take_outputs()
             if outputs is None:

@@ -33,6 +33,15 @@ class FinishedRequestStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     first_token_latency: float | None
+    # vLLM's request phases: queued (arrival -> first schedule, from the core), prefill (first
+    # schedule -> first token), decode (first -> last token), inference (prefill + decode)
+    queued_time: float = 0.0
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+
+    @property
+    def inference_time(self) -> float:
+        return self.prefill_time + self.decode_time
 
 
 @dataclass
@@ -74,13 +83,19 @@ class IterationStats:
 
     def observe_finished(
         self, request_id: str, stats: RequestStateStats, finish_reason: str,
-        num_prompt_tokens: int,
+        num_prompt_tokens: int, queued_time: float = 0.0,
     ) -> None:
+        ttft = stats.first_token_latency
+        queued = min(max(0.0, queued_time), ttft) if ttft is not None else max(0.0, queued_time)
+        first, last = stats.first_token_time, stats.last_token_time
         self.finished_requests.append(FinishedRequestStats(
             request_id=request_id,
             finish_reason=finish_reason,
             e2e_latency=self.iteration_timestamp - stats.arrival_time,
             num_prompt_tokens=num_prompt_tokens,
             num_generation_tokens=stats.num_generation_tokens,
-            first_token_latency=stats.first_token_latency,
+            first_token_latency=ttft,
+            queued_time=queued,
+            prefill_time=max(0.0, ttft - queued) if ttft is not None else 0.0,
+            decode_time=max(0.0, last - first) if first is not None and last is not None else 0.0,
         ))

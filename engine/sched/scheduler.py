@@ -41,6 +41,13 @@ logger = logging.getLogger(__name__)
 _ADMITTED, _SKIPPED, _BLOCKED = "admitted", "skipped", "blocked"
 
 
+def _queued_time(req: Request) -> float:
+    """Seconds from arrival to first schedule, on a finished request's last output only."""
+    if not req.is_finished() or req.first_scheduled_time is None or req.arrival_time <= 0:
+        return 0.0
+    return max(0.0, req.first_scheduled_time - req.arrival_time)
+
+
 @dataclass
 class _StepPlan:
     """What one `schedule()` call has decided so far."""
@@ -82,6 +89,7 @@ class Scheduler:
                            self.max_len, max_model_len)
         self.connector = connector
         self.clock = clock
+        self.num_preemptions = 0  # cumulative (vllm:num_preemptions)
         self.kv_cache_manager = KVCacheManager(block_size, num_blocks, enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()  # WAITING, PREEMPTED, WAITING_FOR_REMOTE_KVS
@@ -149,7 +157,7 @@ class Scheduler:
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
             kv_cache_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_blocks, prefix_cache_queries=kv.prefix_cache_stats.queries,
-            prefix_cache_hits=kv.prefix_cache_stats.hits,
+            prefix_cache_hits=kv.prefix_cache_stats.hits, num_preemptions=self.num_preemptions,
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -215,6 +223,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
         logger.info("request %s preempted (recompute), %d free blocks, preemption #%d",
                     req.request_id, self.kv_cache_manager.num_free_blocks, req.num_preemptions)
@@ -315,6 +324,7 @@ class Scheduler:
             new_logprobs=[seed.logprobs] if seed.logprobs is not None else None,
             finish_reason=req.get_finished_reason(), stop_reason=req.stop_reason,
             num_cached_tokens=max(req.num_cached_tokens, 0), kv_transfer_params=kv_params,
+            queued_time=_queued_time(req),
         ))
         return not stopped
 
@@ -384,6 +394,7 @@ class Scheduler:
             new_logprobs=[logprobs] if logprobs is not None else None,
             finish_reason=req.get_finished_reason(), stop_reason=req.stop_reason,
             num_cached_tokens=max(req.num_cached_tokens, 0), kv_transfer_params=kv_params,
+            queued_time=_queued_time(req),
         )
 
     # ---- finishing ----------------------------------------------------------------------
@@ -397,6 +408,7 @@ class Scheduler:
         self._pending_outputs.append(EngineCoreOutput(
             request_id=req.request_id, new_token_ids=[], finish_reason=FinishReason.ERROR,
             num_cached_tokens=max(req.num_cached_tokens, 0), kv_transfer_params=kv_params,
+            queued_time=_queued_time(req),
             error=message,
         ))
 

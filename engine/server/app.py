@@ -107,6 +107,7 @@ def build_app(
     app.state.engine = engine
     app.state.metrics = metrics or ServerMetrics(
         model_name, with_transfer=settings.kv_spec is not None, kv_spec=settings.kv_spec)
+    app.state.metrics.bind_max_model_len(engine.max_model_len)  # vLLM's token buckets
     ctx = ServingContext(
         engine=engine,
         model_name=model_name,

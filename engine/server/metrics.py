@@ -6,6 +6,10 @@ the event loop after each batch of core outputs. Scheduler gauges and the connec
 counters are exported from the latest snapshot at scrape time (the connector reports
 cumulative values, so counters are *set*, never incremented here). Latency histograms and
 token counters are fed from the per-iteration stats.
+
+vLLM's own families (`vllm:*`, engine/server/vllm_metrics.py) live in the same registry, fed
+by the same hook. A connector's timings (its spec's `summaries`) are served as histograms:
+cumulative `<name>_bucket:<le>` keys in its stats are the buckets.
 """
 
 from __future__ import annotations
@@ -17,20 +21,23 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     Metric,
-    SummaryMetricFamily,
 )
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from engine.connector_api import ConnectorSpec
 from engine.connector_registry import transfer_metrics
 from engine.protocol import SchedulerStats
+from engine.server.vllm_metrics import REQUEST_LATENCY_BUCKETS, VllmFamilies
 
 PREFIX = "pdserve:"
 
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_DEFAULT_MAX_MODEL_LEN = 32768  # vLLM's token buckets where no model length was bound
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
@@ -66,7 +73,8 @@ class _SnapshotCollector(Collector):
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
                     "kv_cache_usage", 0.0)
         yield gauge("num_free_kv_blocks", "Free KV cache blocks.", "num_free_blocks")
-        # the connector's own counters and summaries (its spec names them), cumulative
+        # the connector's own counters and timings (its spec names them; a spec's
+        # `summaries` are served as histograms), cumulative
         # values from SchedulerStats.kv_connector, keys with or without the prefix; a
         # server without a connector exports none (no kv_* series stuck at 0)
         counters, summaries = self._owner.transfer
@@ -76,13 +84,38 @@ class _SnapshotCollector(Collector):
                 c.add_metric(e.label_values, float(e.connector.get(name, 0.0)))
             yield c
         for name, (doc, count_key) in summaries.items():
-            s = SummaryMetricFamily(PREFIX + name, doc, labels=labels)
-            for e in engines:
-                kv = e.connector
-                total = kv.get(name + "_sum", kv.get(name, 0.0))
-                count = kv.get(name + "_count", kv.get(count_key, 0.0))
-                s.add_metric(e.label_values, count_value=float(count), sum_value=float(total))
-            yield s
+            yield _transfer_histogram(PREFIX + name, doc, labels, engines, name, count_key)
+
+
+def _transfer_histogram(full_name: str, doc: str, labels: list[str], engines: list[Any],
+                        name: str, count_key: str) -> HistogramMetricFamily:
+    """A connector's timing as a histogram (aiperf skips a Summary without quantiles): its
+    cumulative `<name>_bucket:<le>` keys are the buckets, `<name>_sum`/`_count` the rest; a
+    connector reporting no bucket keys gets the +Inf bucket alone."""
+    prefix = name + "_bucket:"
+    per_engine: list[dict[float, float]] = []
+    for e in engines:
+        bounds: dict[float, float] = {}
+        for key, value in e.connector.items():
+            if key.startswith(prefix):
+                try:
+                    bounds[float(key[len(prefix):])] = float(value)
+                except ValueError:
+                    continue  # a malformed bound is dropped
+        per_engine.append(bounds)
+    les = sorted({le for b in per_engine for le in b if le != float("inf")})
+    h = HistogramMetricFamily(full_name, doc, labels=labels)
+    for e, bounds in zip(engines, per_engine, strict=True):
+        kv = e.connector
+        total = float(kv.get(name + "_sum", kv.get(name, 0.0)))
+        count = float(kv.get(name + "_count", kv.get(count_key, 0.0)))
+        buckets, running = [], 0.0
+        for le in les:
+            running = max(running, bounds.get(le, 0.0))  # racy reads stay monotone
+            buckets.append((floatToGoString(le), running))
+        buckets.append(("+Inf", max(running, count)))
+        h.add_metric(e.label_values, buckets=buckets, sum_value=total)
+    return h
 
 
 class _EngineSeries:
@@ -102,9 +135,12 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, engine_index: int = 0,
                  engine_indexes: Iterable[int] | None = None, *,
-                 with_transfer: bool = True, kv_spec: ConnectorSpec | None = None) -> None:
+                 with_transfer: bool = True, kv_spec: ConnectorSpec | None = None,
+                 max_model_len: int | None = None) -> None:
         """`with_transfer`: export the KV-transfer series, those of `kv_spec` (every registered
-        connector's without one); False for a server without a connector."""
+        connector's without one); False for a server without a connector. `max_model_len`:
+        vLLM's families are created with it (or by `bind_max_model_len`, or with a default on
+        the first recorded iteration)."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.transfer: tuple[Mapping[str, str], Mapping[str, tuple[str, str]]] = ({}, {})
         if with_transfer:
@@ -123,7 +159,7 @@ class ServerMetrics:
             "itl": Histogram(PREFIX + "inter_token_latency_seconds", "Inter-token latency.",
                              names, buckets=_ITL_BUCKETS, registry=reg),
             "e2e": Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end latency.",
-                             names, buckets=_LATENCY_BUCKETS, registry=reg),
+                             names, buckets=REQUEST_LATENCY_BUCKETS, registry=reg),
         }
         self.requests_finished = Counter(
             PREFIX + "request_success", "Finished requests by finish reason.",
@@ -139,6 +175,15 @@ class ServerMetrics:
         self.prompt_tokens, self.generation_tokens = first.prompt_tokens, first.generation_tokens
         self.ttft, self.itl, self.e2e = first.ttft, first.itl, first.e2e
         reg.register(_SnapshotCollector(self))
+        self.vllm: VllmFamilies | None = None
+        if max_model_len:
+            self.bind_max_model_len(max_model_len)
+
+    def bind_max_model_len(self, max_model_len: int) -> None:
+        """Create vLLM's families (its token-count buckets go up to max_model_len); the first
+        call wins, later ones are no-ops."""
+        if self.vllm is None:
+            self.vllm = VllmFamilies(self.registry, self, int(max_model_len))
 
     # --- the first engine's series (single-engine callers) ------------------------------
     @property
@@ -187,6 +232,10 @@ class ServerMetrics:
             e.e2e.observe(_field(fin, "e2e_latency", 0.0))
             reason = str(_field(fin, "finish_reason", "unknown"))
             self.requests_finished.labels(*e.label_values, reason).inc()
+        if self.vllm is None:
+            self.bind_max_model_len(_DEFAULT_MAX_MODEL_LEN)
+        assert self.vllm is not None
+        self.vllm.record_iteration(it, e.label_values)
 
     def connector_values(self, engine_index: int | None = None) -> dict[str, float]:
         return dict(self._series(engine_index).connector)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from engine.config import EngineConfig
 from engine.connector_api import KVCacheSpec
+from kvconnector import transfer_hist
 from kvconnector.endpoint import Endpoint
 from kvconnector.nixl import NixlTransport
 from kvconnector.peers import Peers
@@ -27,8 +28,7 @@ __all__ = ["PullWorker", "make_scheduler", "make_worker", "request_params_valida
 
 
 def _new_stats() -> dict[str, float]:
-    return {"kv_pull_reads_total": 0, "kv_transfer_bytes_total": 0,
-            "kv_transfer_seconds_sum": 0.0, "kv_transfer_seconds_count": 0,
+    return {"kv_pull_reads_total": 0, "kv_transfer_bytes_total": 0, **transfer_hist.initial(),
             "kv_pull_leases_total": 0,
             "kv_pull_leases_returned_total": 0, "kv_lease_expired_total": 0}
 

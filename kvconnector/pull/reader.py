@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.connector_seam import SeededToken
-from kvconnector import wire
+from kvconnector import transfer_hist, wire
 from kvconnector.outbox import Outbox
 from kvconnector.peers import Peers
 from kvconnector.pull.meta import Address, Claim, Read
@@ -154,8 +154,7 @@ class Reader:
             if state == "DONE":
                 self.stats["kv_pull_reads_total"] += 1
                 self.stats["kv_transfer_bytes_total"] += f.nbytes
-                self.stats["kv_transfer_seconds_sum"] += now - f.started
-                self.stats["kv_transfer_seconds_count"] += 1
+                transfer_hist.observe(self.stats, now - f.started)
                 if not released:
                     self.finished_recving.add(rid)
             else:

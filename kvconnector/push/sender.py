@@ -48,7 +48,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from kvconnector import wire
+from kvconnector import transfer_hist, wire
 from kvconnector.outbox import Outbox
 from kvconnector.peers import Peers
 from kvconnector.push.meta import FinishedBlocks, heartbeat_id
@@ -484,8 +484,7 @@ class Sender:
                 staged.written.add(reg.decode_tp_rank)
                 self.stats.add("kv_push_writes_total")
                 self.stats.add("kv_transfer_bytes_total", w.nbytes)
-                self.stats.add("kv_transfer_seconds_sum", now - w.started)
-                self.stats.add("kv_transfer_seconds_count")
+                transfer_hist.observe(self.stats.counters, now - w.started)
             else:
                 self.stats.add("kv_push_write_failures_total")
                 self._fail(w.reg, "WRITE failed in transfer")

@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvconnector import wire
+from kvconnector import transfer_hist, wire
 from kvconnector.push.meta import FinishedBlocks
 
 if TYPE_CHECKING:
@@ -83,8 +83,7 @@ class Staged:
 class SenderStats:
     counters: dict[str, float] = field(default_factory=lambda: {
         "kv_push_registrations_received_total": 0, "kv_push_writes_total": 0,
-        "kv_push_write_failures_total": 0, "kv_transfer_bytes_total": 0,
-        "kv_transfer_seconds_sum": 0.0, "kv_transfer_seconds_count": 0,
+        "kv_push_write_failures_total": 0, "kv_transfer_bytes_total": 0, **transfer_hist.initial(),
         "kv_lease_expired_total": 0, "kv_push_fail_sent_total": 0,
         "kv_push_registrations_refused_total": 0, "kv_notifs_dropped_total": 0,
         "kv_push_digest_mismatch_total": 0, "kv_push_unknown_transfer_total": 0,
