@@ -13,40 +13,9 @@ import httpx
 import openai
 import pytest
 from pd_harness import TEST_ENV
+from structured_kit import PERSON, validates
 
 from pdserve.launcher import ServerProcess, launch_server
-
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "active": {"type": "boolean"},
-        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3},
-        "address": {"type": "object", "properties": {"zip": {"type": "string",
-                    "pattern": "^[0-9]{5}$"}}, "required": ["zip"],
-                    "additionalProperties": False},
-    },
-    "required": ["name", "role", "active", "tags", "address"],
-    "additionalProperties": False,
-}
-
-
-def _validates(value: object, schema: dict) -> bool:
-    """The subset of JSON Schema PERSON uses (jsonschema is not a dependency)."""
-    if "enum" in schema:
-        return value in schema["enum"]
-    kind = schema["type"]
-    if kind == "string":
-        return isinstance(value, str) and re.fullmatch(schema["pattern"], value) is not None
-    if kind == "boolean":
-        return isinstance(value, bool)
-    if kind == "array":
-        return (isinstance(value, list) and len(value) <= schema.get("maxItems", 1 << 30)
-                and all(_validates(v, schema["items"]) for v in value))
-    props = schema["properties"]
-    return (isinstance(value, dict) and set(schema["required"]) <= value.keys() <= props.keys()
-            and all(_validates(v, props[k]) for k, v in value.items()))
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +41,7 @@ def test_json_schema_answers_validate_with_the_openai_client(server) -> None:
             response_format=fmt)
         choice = r.choices[0]
         assert choice.finish_reason == "stop", choice
-        assert _validates(json.loads(choice.message.content), PERSON), choice.message.content
+        assert validates(json.loads(choice.message.content), PERSON), choice.message.content
 
 
 def test_guided_choice_regex_and_json_on_completions(server) -> None:
@@ -88,7 +57,7 @@ def test_guided_choice_regex_and_json_on_completions(server) -> None:
         r = _post(server, "/v1/completions", {
             **base, "seed": seed, "max_tokens": 120,
             "structured_outputs": {"json": PERSON}})
-        assert _validates(json.loads(r.json()["choices"][0]["text"]), PERSON), r.text
+        assert validates(json.loads(r.json()["choices"][0]["text"]), PERSON), r.text
 
 
 def test_streamed_constrained_answer_equals_the_whole_one(server) -> None:
@@ -100,7 +69,7 @@ def test_streamed_constrained_answer_equals_the_whole_one(server) -> None:
         chunks = [json.loads(line[6:]) for line in r.iter_lines()
                   if line.startswith("data: {")]
     streamed = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-    assert streamed == whole and _validates(json.loads(whole), PERSON)
+    assert streamed == whole and validates(json.loads(whole), PERSON)
 
 
 @pytest.mark.parametrize("body, named", [
