@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import json
 import logging
@@ -20,7 +21,7 @@ import signal
 import socket
 import sys
 from collections.abc import Generator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import uvloop
 
@@ -291,13 +292,25 @@ def serve_main(args: argparse.Namespace, *, role_defaults: Mapping[str, Any] | N
     with _exit_on_signal():
         try:
             # libuv loop: less per-request cost
-            return uvloop.run(_serve(config, settings, args, companions))
+            code = uvloop.run(_serve(config, settings, args, companions))
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception:
             logger.exception("pdserve serve failed")
             return 1
+        _exit_process(code)
     return 0  # interrupted (SIGTERM/SIGINT) while starting: an orderly stop
+
+
+def _exit_process(code: int) -> NoReturn:
+    """The server has stopped in order (engine shut down, sockets closed): run the atexit
+    handlers (finalizers, log flushes), then exit without the interpreter's teardown of every
+    module — a garbage collection of the HTTP stack's objects that took ~1 s of every stop."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 @contextlib.contextmanager
