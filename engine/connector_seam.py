@@ -22,6 +22,7 @@ names no connector.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -140,6 +141,10 @@ class WorkerConnector(Protocol):
         """This step's metadata (a TP rank decodes it typed by `meta_type`)."""
 
     def get_finished(self) -> KVConnectorOutput: ...
+
+    def set_wakeup(self, wake: Callable[[], None]) -> bool:
+        """Call `wake` (from any thread) whenever `get_finished` has something new to report;
+        True when it will, so the engine may sleep instead of stepping to ask."""
 
     def table_sizes(self) -> dict[str, int]: ...
 

@@ -77,6 +77,7 @@ from kvconnector.handshake_msgs import (
     HandshakeError,
     Hello,
     MetaReply,
+    Poke,
     Reply,
     Request,
     SealedMetaReply,
@@ -85,6 +86,9 @@ from kvconnector.handshake_msgs import (
 from kvconnector.security import KVSecurity
 
 logger = logging.getLogger(__name__)
+
+POKE = msgspec.to_builtins(Poke())  # {"type": "POKE"}
+_POKE_TAG = b"POKE"
 
 __all__ = [
     "MAX_REPLY_BYTES",
@@ -141,6 +145,8 @@ class SideChannelServer:
         # GET_META alone first: its tag is optional there, as it always was for old clients.
         self._decoder = msgspec.msgpack.Decoder(GetMeta)
         self._hello_decoder = msgspec.msgpack.Decoder(Hello)
+        self.on_poke: Callable[[], None] | None = None  # called on the server thread
+        self.poked_count = 0
 
     @property
     def address(self) -> str:
@@ -221,6 +227,8 @@ class SideChannelServer:
                            self.address, len(frames))
             return
         peer = _peer_address(msg[-1])
+        if self._poke(body, peer):
+            return  # a notice: no reply
         reply: Reply
         if not self._security.allows(peer):
             reply = self._refuse(peer, f"address {peer} is not in kv_peer_allowlist")
@@ -238,6 +246,24 @@ class SideChannelServer:
             sock.send_multipart([*envelope, self._encoder.encode(reply)], zmq.NOBLOCK)
         except zmq.ZMQError as e:  # the peer went away; nothing to do
             logger.warning("KV side channel %s: reply not sent (%s)", self.address, e)
+
+    def _poke(self, body: bytes, peer: str) -> bool:
+        """A POKE from an allowed peer wakes `on_poke`; True when `body` was one."""
+        if _POKE_TAG not in body:  # cheap first: only a notice names it
+            return False
+        try:
+            msg = msgspec.msgpack.decode(body)
+        except msgspec.DecodeError:
+            return False
+        if msg != POKE:  # the tag itself, nothing else (an untagged GET_META is no poke)
+            return False
+        if self._security.allows(peer):
+            self.poked_count += 1
+            if self.on_poke is not None:
+                self.on_poke()
+        else:
+            self.refused_count += 1
+        return True
 
     def _decode(self, body: bytes) -> Request:
         try:

@@ -71,6 +71,12 @@ class GetMeta(msgspec.Struct, tag="GET_META", forbid_unknown_fields=True, frozen
     client_id: _ClientId = ""
 
 
+class Poke(msgspec.Struct, tag="POKE", forbid_unknown_fields=True, frozen=True):
+    """Notice (P -> D, no reply): a WRITE into D was posted; D's transfer thread polls its
+    agent now, so a waiting D need not poll all the time (kvconnector/poke.py). Carries
+    nothing: at worst a forged one makes D poll for a while, as it always did."""
+
+
 Request = Hello | GetMeta
 
 

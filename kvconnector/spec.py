@@ -27,6 +27,9 @@ COUNTERS: dict[str, str] = {
     "kv_recv_failed_total": "Requests whose remote KV could not be received.",
     "kv_recompute_fallback_total": "Requests that fell back to computing the prompt locally.",
     "kv_remote_prefill_tokens_total": "Prompt tokens D received instead of computing.",
+    "kv_pokes_sent_total": "P: notices to D's side channel that a WRITE into D was posted.",
+    "kv_pokes_received_total": "D: such notices received (D then polls its agent fast; "
+                               "before, a waiting D polls every 20 ms).",
     "kv_first_token_seeded_total": "D requests that started from P's sampled first token (no "
                                    "forward over the last prompt position).",
     "kv_first_token_recomputed_total": "D requests whose KV landed without a first token D "

@@ -45,6 +45,11 @@ logger = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.001
 _IDLE_TICK_S = 1.0  # upper bound on a sleep, so a lost wake costs at most this
 _PRUNE_EVERY_S = 1.0
+# D waiting for a WRITE polls this slowly until P's poke (kvconnector/poke.py) says one was
+# posted, then every POLL_INTERVAL_S for FAST_AFTER_POKE_S
+WAIT_POLL_S = 0.02
+FAST_AFTER_POKE_S = 1.0
+_FULL_STEP_EVERY_S = 0.02  # while light ticks poll (`_light_tick`): a full pass at least this often
 
 # (decoded message, sending NIXL agent, earliest time it may have arrived)
 NotifHandler = Callable[[Any, str, float], None]
@@ -79,6 +84,8 @@ class Prunable(Protocol):
 class TransferThread:
     name = "nixl-transfer"  # the thread's name; a mode names its own
     prune_idle = False  # prune idle peers (both halves then have `addresses_in_use()`)
+    # the sink's waits end with a WRITE the source side announces (`poke`): poll slowly before
+    sink_waits_for_poke = False
 
     def __init__(self, transport: Transport, peers: Peers, source: Half, sink: Sink,
                  wake: threading.Event, clock: Callable[[], float] = time.monotonic) -> None:
@@ -95,7 +102,10 @@ class TransferThread:
         self.malformed = 0
         self._last_listen = clock()  # when this side last drained its notifications
         self._next_prune = clock() + _PRUNE_EVERY_S
+        self._next_full = clock()  # a timer tick before this may be a light one
+        self._fast_until = 0.0  # poll fast until then (a poke arrived)
         self._stop = False
+        self.on_publish: Callable[[], None] | None = None  # wakes the engine (set_wakeup)
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
 
     # --- the mode's policy --------------------------------------------------------
@@ -120,6 +130,12 @@ class TransferThread:
         self.wake.set()
         self._thread.join(timeout=5)
 
+    def poke(self) -> None:
+        """A WRITE into this engine was posted (called on the side-channel thread): poll the
+        agent fast for a while. A float store and an event: safe from any thread."""
+        self._fast_until = self.clock() + FAST_AFTER_POKE_S
+        self.wake.set()
+
     def submit(self, meta: KVConnectorMetadata) -> None:
         """Hand the scheduler's per-step metadata over (only when it brings work)."""
         self.inbox.put(meta)
@@ -139,8 +155,10 @@ class TransferThread:
             out.seeded.update(part.seeded)
 
     # --- the thread ---------------------------------------------------------------
-    def step(self) -> None:
-        """One pass: handshakes, scheduler work, inbound notifs, polls, results out."""
+    def step(self, notifs: list[tuple[str, bytes]] | None = None) -> None:
+        """One pass: handshakes, scheduler work, inbound notifs, polls, results out.
+        `notifs`: already drained by a light tick (`_light_tick`), dated like a drain now."""
+        self._next_full = self.clock() + _FULL_STEP_EVERY_S
         self.peers.apply_finished()
         self._drain_inbox()
         # A notification first seen now was not there at the previous drain, so it was sent
@@ -148,7 +166,7 @@ class TransferThread:
         # starved) for longer than the ttl take a stale PUSH_REG for a fresh one and WRITE
         # into blocks D has long given to other requests.
         listened, self._last_listen = self._last_listen, self.clock()
-        for agent, raw in self.t.get_new_notifs():
+        for agent, raw in self.t.get_new_notifs() if notifs is None else notifs:
             try:
                 self._dispatch(raw, agent, listened)
             except Exception:  # noqa: BLE001 - one bad message must not lose the batch
@@ -162,12 +180,31 @@ class TransferThread:
 
     def _run(self) -> None:
         while not self._stop:
-            self.wake.wait(self._timeout())
+            woken = self.wake.wait(self._timeout())
             self.wake.clear()
             try:
-                self.step()
+                if woken or not self._light_tick():
+                    self.step()
             except Exception:  # noqa: BLE001 - log and go on; the engine must not lose it
                 logger.exception("%s step failed", self._thread.name)
+
+    def _light_tick(self) -> bool:
+        """A timer tick while only the sink waits for a WRITE to land (D waiting for KV):
+        drive the agent's progress and look for notifications, nothing else, so waiting
+        costs about one `get_new_notifs` per tick. True when that was all this tick needed;
+        a notification, the source's work, a handshake or the full pass's period make it
+        False (then `step` runs, with the notifications drained here)."""
+        if (self.source.needs_poll() or self.peers.pending() or not self.inbox.empty()
+                or self.clock() >= self._next_full):
+            return False
+        listened = self._last_listen
+        notifs = self.t.get_new_notifs()
+        if not notifs:
+            self._last_listen = self.clock()  # they were not there at this drain either
+            return True
+        self._last_listen = listened
+        self.step(notifs)
+        return True
 
     def _drain_inbox(self) -> None:
         while True:
@@ -206,8 +243,12 @@ class TransferThread:
         self.peers.prune(source.addresses_in_use() | sink.addresses_in_use())
 
     def _timeout(self) -> float:
-        if self.source.needs_poll() or self.sink.needs_poll() or self.peers.pending():
+        if self.source.needs_poll() or self.peers.pending():
             return POLL_INTERVAL_S
+        if self.sink.needs_poll():
+            if not self.sink_waits_for_poke or self.clock() < self._fast_until:
+                return POLL_INTERVAL_S
+            return WAIT_POLL_S
         deadlines = [d for d in (self.source.next_deadline(), self.sink.next_deadline())
                      if d is not None]
         if not deadlines:
@@ -228,3 +269,5 @@ class TransferThread:
         src.done, sink.done = set(), set()
         sink.finished_recving, sink.failed_recving, sink.seeded = set(), {}, {}
         self.outbox.put(out)
+        if self.on_publish is not None:
+            self.on_publish()

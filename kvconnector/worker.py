@@ -109,6 +109,7 @@ class NixlWorker(KVConnectorWorker):
             peers = Peers(self._fetch, t.add_peer, wake, clock, unbind=t.unbind,
                           refused=t.count_refused)
         self.thread = self.make_thread(t, peers, wake, clock)
+        self.side_channel.on_poke = self.thread.poke
         self.thread.start()
         logger.info("%s connector %s ready: side channel %s:%d", self.mode, ep.engine_id,
                     ep.host, ep.port)
@@ -135,6 +136,13 @@ class NixlWorker(KVConnectorWorker):
         if self.thread is not None and metadata is not None and metadata.brings_work():
             self.thread.submit(metadata)
 
+    def set_wakeup(self, wake: Callable[[], None]) -> bool:
+        """The transfer thread calls `wake` each time it publishes (engine-core process)."""
+        if self.thread is None:
+            return False
+        self.thread.on_publish = wake
+        return True
+
     def get_finished(self) -> KVConnectorOutput:
         if self.thread is None:
             return KVConnectorOutput()
@@ -152,6 +160,7 @@ class NixlWorker(KVConnectorWorker):
         if self.side_channel is not None:
             stats["kv_malformed_side_channel_total"] = self.side_channel.malformed_count
             stats["kv_side_channel_refused_total"] = self.side_channel.refused_count
+            stats["kv_pokes_received_total"] = self.side_channel.poked_count
         return stats
 
     def table_sizes(self) -> dict[str, int]:

@@ -40,6 +40,9 @@ from engine.protocol import (
 logger = logging.getLogger(__name__)
 
 _EMPTY_STEP_S = 0.001  # a step faster than this that produced nothing ran no model
+# ... and the wait after it when the connector wakes the loop itself (set_wakeup): only the
+# scheduler's own timers (a registration watchdog) need a step meanwhile
+_IDLE_WAIT_S = 0.05
 
 
 class InputKind(enum.Enum):
@@ -75,6 +78,9 @@ class EngineCoreLoop:
         # and after it (data parallel: the engine's counts to the coordinator).
         self.on_step: Callable[[Any], None] | None = None
         core.executor.on_failure = self.fail
+        # A connector that wakes the loop when its transfers finish lets an idle wait
+        # (requests parked for remote KV) sleep instead of stepping every millisecond.
+        self._woken = core.executor.set_wakeup(self._wake)
         if core.executor.failure is not None:
             self.fail(core.executor.failure)
 
@@ -84,6 +90,9 @@ class EngineCoreLoop:
         self.input_queue.put_nowait((InputKind.FATAL, reason))
 
     # -- called from other threads / signal handlers ------------------------------------
+    def _wake(self) -> None:
+        self.input_queue.put_nowait((InputKind.WAKEUP, None))
+
     def request_shutdown(self) -> None:
         """Stop accepting requests; drain; then `run()` returns. Signal-handler safe."""
         self._stopping = True
@@ -132,10 +141,11 @@ class EngineCoreLoop:
         if outputs.outputs or outputs.finished_requests:
             outputs.engine_index = self.engine_index
             self.output_queue.put_nowait(outputs)
-        elif time.perf_counter() - started < _EMPTY_STEP_S:
+        elif (time.perf_counter() - started < _EMPTY_STEP_S
+              or (self._woken and not self.core.scheduler.running)):
             # Work exists but nothing could run (e.g. waiting for remote KV): give the
             # connector / I/O threads the GIL instead of spinning, and wake on new input.
-            self._handle_next(_EMPTY_STEP_S)
+            self._handle_next(_IDLE_WAIT_S if self._woken else _EMPTY_STEP_S)
 
     def _handle_next(self, timeout: float) -> None:
         """Handle the next input if one arrives within `timeout` seconds."""

@@ -241,6 +241,9 @@ class MultiprocExecutor:
             total.update(per_rank)
         return dict(total)
 
+    def set_wakeup(self, wake: Callable[[], None]) -> bool:
+        return False  # the worker halves live in other processes: the engine polls them
+
     def connector_tables(self) -> dict[str, int]:
         if self.kv_outputs is None:
             return {}

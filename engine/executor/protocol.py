@@ -39,6 +39,10 @@ class Executor(Protocol):
     @property
     def num_requests(self) -> int: ...
 
+    def set_wakeup(self, wake: Callable[[], None]) -> bool:
+        """Have the connector's worker half call `wake` (any thread) when it has news for
+        `get_finished`; False when it cannot (none, or in other processes)."""
+
     def kv_bindings(self) -> list[KVBinding]:
         """What each rank's connector worker half bound, rank order ([] without one)."""
 

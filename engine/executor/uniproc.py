@@ -46,6 +46,9 @@ class UniprocExecutor:
     def num_requests(self) -> int:
         return self.runner.num_requests
 
+    def set_wakeup(self, wake: Callable[[], None]) -> bool:
+        return self.connector is not None and self.connector.set_wakeup(wake)
+
     def kv_bindings(self) -> list[KVBinding]:
         bound = None if self.connector is None else self.connector.binding()
         return [] if bound is None else [bound]

@@ -15,6 +15,7 @@ from engine.connector_api import KVCacheSpec
 from kvconnector.endpoint import Endpoint
 from kvconnector.nixl import NixlTransport
 from kvconnector.peers import Peers
+from kvconnector.poke import Poker
 from kvconnector.push.meta import PushMeta
 from kvconnector.push.receiver import Receiver
 from kvconnector.push.scheduler import PushScheduler
@@ -69,6 +70,7 @@ class PushWorker(NixlWorker):
                                    "kv_peer_gone_total": 0,
                                    "kv_push_cancel_acks_received_total": 0},
                             tp_rank=self.tp_rank, tp_size=self.tp_size)
+        sender.poker = Poker()
         return PushThread(transport, peers, sender, receiver, wake, clock)
 
 

@@ -51,6 +51,7 @@ from typing import Any
 from kvconnector import transfer_hist, wire
 from kvconnector.outbox import Outbox
 from kvconnector.peers import Peers
+from kvconnector.poke import Poker
 from kvconnector.push.meta import FinishedBlocks, heartbeat_id
 from kvconnector.push.staged import (
     Inflight,
@@ -106,6 +107,7 @@ class Sender:
                              lambda n: self.stats.add("kv_notifs_dropped_total", n))
         self.done: set[str] = set()  # output: P ids whose blocks may be freed
         self.refused = 0  # notifications refused: not from the agent the transfer belongs to
+        self.poker: Poker | None = None  # tells D a WRITE was posted (kvconnector/poke.py)
 
     # --- the state table ----------------------------------------------------------
     def _move(self, p_id: str, state: SendState) -> Staged:
@@ -465,6 +467,8 @@ class Sender:
         notif = (wire.encode_completion(reg.request_id, self.tp_size) if token is None
                  else wire.encode_completion_with_token(reg.request_id, self.tp_size, token))
         handle = self.t.write(agent, p_ids, d_ids, notif)
+        if self.poker is not None:  # D polls its agent fast from now on (kvconnector/poke.py)
+            self.poker.poke(pending.addr)
         # a WRITE of our heads into a D of another TP size moves part of each block
         nbytes = getattr(handle, "nbytes", len(d_ids) * self.bytes_per_block)
         staged.writes[reg.decode_tp_rank] = Inflight(p_id, pending, handle, now, nbytes)

@@ -23,6 +23,7 @@ class PushThread(TransferThread):
 
     name = "nixl-push-transfer"
     prune_idle = True
+    sink_waits_for_poke = True  # P pokes D's side channel when it posts a WRITE into D
     source: Sender
     sink: Receiver
 
@@ -59,6 +60,13 @@ class PushThread(TransferThread):
             wire.PushCancelAck: lambda m, agent, _: r.on_cancel_ack(m.request_id, agent),
         }
 
+    def stop(self) -> None:
+        super().stop()
+        if self.source.poker is not None:
+            self.source.poker.close()
+
     def counters(self) -> dict[str, float]:
+        poker = self.source.poker
         return {**self.source.stats.counters, **self.sink.stats,
+                "kv_pokes_sent_total": 0 if poker is None else poker.sent,
                 "kv_refused_notifs_total": self.source.refused + self.sink.refused}
