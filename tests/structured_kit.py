@@ -35,3 +35,37 @@ def validates(value: object, schema: dict) -> bool:
     props = schema["properties"]
     return (isinstance(value, dict) and set(schema["required"]) <= value.keys() <= props.keys()
             and all(validates(v, props[k]) for k, v in value.items()))
+
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+    "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"],
+    "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
+        "required": ["zone"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+
+
+def valid_call(name: str, arguments: str) -> bool:
+    import json
+
+    schema = {"get_weather": WEATHER, "get_time": TIME}.get(name)
+    return schema is not None and validates(json.loads(arguments), schema)
+
+
+def assemble_tool_calls(stream) -> tuple[list[tuple[str, str]], str | None]:
+    """An openai-client stream's tool_calls deltas put together as OpenAI's docs do:
+    by index, the name from the first delta, arguments concatenated."""
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for d in choice.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, ["", ""])
+                if d.function and d.function.name:
+                    entry[0] = d.function.name
+                if d.function and d.function.arguments:
+                    entry[1] += d.function.arguments
+    return [(n, a) for _, (n, a) in sorted(calls.items())], finish

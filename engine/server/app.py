@@ -50,6 +50,7 @@ class ServerSettings:
     kv_spec: ConnectorSpec | None = None  # the engine's connector, None: no connector
     served_aliases: tuple[str, ...] = ()  # further --served-model-name names (listed)
     chat_template: str | None = None  # --chat-template: replaces the model's
+    tool_call_parser: str | None = None  # tool_choice auto's parser (engine/server/tools.py)
     default_sampling: dict[str, Any] = field(default_factory=dict)  # --generation-config
 
     def __post_init__(self) -> None:
@@ -118,6 +119,7 @@ def build_app(
         metrics=app.state.metrics,
         kv_spec=settings.kv_spec,
         default_sampling=dict(settings.default_sampling),
+        tool_call_parser=settings.tool_call_parser,
     )
     if settings.chat_template is not None:
         engine.tokenizer.chat_template = settings.chat_template

@@ -45,15 +45,18 @@ from engine.server.serving import (
     sse_with_ids,
     unless_disconnected,
 )
+from engine.server.tools import ToolPlan, ToolStream, answer, tool_plan, with_tool_grammar
 
 
 def render_chat_prompt(
-    tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool,
-    continue_final_message: bool = False,
+    tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+    continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The engine prompt (`prompt_token_ids` + `prompt`) for a conversation."""
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        extra = {} if tools is None else {"tools": tools}
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             **extra)
     except Exception as exc:  # template errors are about the messages the client sent
         raise APIError(f"messages could not be rendered with the chat template: {exc}",
                        param="messages") from exc
@@ -74,11 +77,13 @@ async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, ctx: ServingContext
 ) -> Response:
     ctx.check_model(body.model)
-    params = ctx.with_defaults(body, body.to_sampling_params())
+    plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.tool_call_parser)
+    params = with_tool_grammar(ctx.with_defaults(body, body.to_sampling_params()), plan)
     check_prompt_logprobs_leg(params, body.kv_transfer_params, ctx.kv_spec)
     prompt = render_chat_prompt(
         ctx.tokenizer, body.message_dicts(), add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
+        tools=None if plan is None else plan.tools,
     )
     rid = make_request_id(request, "chatcmpl")
     merged = merge_streams([engine_stream(ctx, prompt, params, rid, body.kv_transfer_params,
@@ -90,7 +95,7 @@ async def create_chat_completion(
             await merged.aclose()
             return Response(status_code=CLIENT_CLOSED)
         item, rest = first
-        return SSEResponse(_stream(ctx, body, rid, item, rest), headers=headers,
+        return SSEResponse(_stream(ctx, body, rid, item, rest, plan), headers=headers,
                            on_close=rest.aclose)
 
     async def collect() -> Any:
@@ -105,7 +110,7 @@ async def create_chat_completion(
     gone, final = await unless_disconnected(request, collect())
     if gone:
         return Response(status_code=CLIENT_CLOSED)
-    return JSONResponse(_response(ctx, body, rid, final).model_dump(), headers=headers)
+    return JSONResponse(_response(ctx, body, rid, final, plan).model_dump(), headers=headers)
 
 
 def _top_n(body: ChatCompletionRequest) -> int:
@@ -113,7 +118,8 @@ def _top_n(body: ChatCompletionRequest) -> int:
 
 
 def _response(
-    ctx: ServingContext, body: ChatCompletionRequest, rid: str, final: Any
+    ctx: ServingContext, body: ChatCompletionRequest, rid: str, final: Any,
+    plan: ToolPlan | None = None,
 ) -> ChatCompletionResponse:
     if final is None:
         raise APIError(f"request {rid} ended without output", 500)
@@ -127,9 +133,10 @@ def _response(
         lp = None
         if body.logprobs:
             lp = chat_logprobs(comp.token_ids, comp.logprobs, _top_n(body), token_text)
+        content, calls, finish = answer(plan, comp.text, comp.finish_reason)
         choices.append(ChatChoice(
-            index=comp.index, message=ChatResponseMessage(content=comp.text), logprobs=lp,
-            finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
+            index=comp.index, message=ChatResponseMessage(content=content, tool_calls=calls),
+            logprobs=lp, finish_reason=finish, stop_reason=comp.stop_reason,
         ))
     choices.sort(key=lambda c: c.index)
     prompt_tokens = len(final.prompt_token_ids)
@@ -144,9 +151,10 @@ def _response(
 
 async def _stream(
     ctx: ServingContext, body: ChatCompletionRequest, rid: str, first: Any,
-    rest: AsyncIterator[tuple[int, Any]],
+    rest: AsyncIterator[tuple[int, Any]], plan: ToolPlan | None = None,
 ) -> AsyncIterator[str]:
     created = int(time.time())
+    tools = ToolStream(plan) if plan is not None and plan.parses else None
     token_text = TokenText(ctx.tokenizer)
     state = {"prompt_tokens": 0, "cached": 0}
     generated: dict[int, int] = {}
@@ -181,6 +189,17 @@ async def _stream(
             lp = None
             if body.logprobs and comp.token_ids:
                 lp = chat_logprobs(comp.token_ids, comp.logprobs, _top_n(body), token_text)
+            if tools is not None:  # tool calls: held, then sent as OpenAI sends them
+                deltas, finish = tools.deltas(comp.index, comp.text, comp.finish_reason)
+                deltas = deltas or [{}]
+                for j, delta in enumerate(deltas):
+                    last = j == len(deltas) - 1
+                    lines.append(chunk(ChatStreamChoice(
+                        index=comp.index, delta=DeltaMessage(**delta),
+                        logprobs=lp if j == 0 else None, finish_reason=finish if last else None,
+                        stop_reason=comp.stop_reason if last else None,
+                    ), comp.token_ids if j == 0 else ()))
+                continue
             lines.append(chunk(ChatStreamChoice(
                 index=comp.index,
                 delta=DeltaMessage(content=comp.text) if comp.text else DeltaMessage(),

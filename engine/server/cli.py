@@ -36,6 +36,7 @@ from engine.server.vllm_flags import (
     chat_template,
     generation_defaults,
     kv_cache_gib,
+    tool_call_parser,
 )
 
 if TYPE_CHECKING:
@@ -282,6 +283,8 @@ def serve_main(args: argparse.Namespace, *, role_defaults: Mapping[str, Any] | N
                                   kv_spec=spec_for(config),
                                   served_aliases=tuple((args.served_model_name or [])[1:]),
                                   chat_template=chat_template(args.chat_template),
+                                  tool_call_parser=tool_call_parser(
+                                      args.enable_auto_tool_choice, args.tool_call_parser),
                                   default_sampling=generation_defaults(args.generation_config,
                                                                        config.model))
         if args.drain_timeout < 0:

@@ -29,6 +29,7 @@ from engine.protocol import RequestOutputKind, SamplingParams
 from engine.server.body_check import body_problem
 from engine.server.errors import APIError, from_value_error
 from engine.server.refused_fields import CHAT_REFUSED, COMPLETION_REFUSED, refused_field
+from engine.server.tools import history_message
 from engine.structured.request import structured_output
 
 _MAX_N = 128
@@ -225,6 +226,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (engine/server/tools)
+    tool_call_id: str | None = None  # a tool result's call
 
     def text(self) -> str:
         if self.content is None:
@@ -244,10 +247,10 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise APIError("tools are not supported", param="tools")
         if not self.messages:
             raise APIError("messages must not be empty", param="messages")
         if self.top_logprobs is not None and not self.logprobs:
@@ -264,14 +267,8 @@ class ChatCompletionRequest(_SamplingFields):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(max_tokens, logprobs)
 
-    def message_dicts(self) -> list[dict[str, str]]:
-        out = []
-        for m in self.messages:
-            d = {"role": m.role, "content": m.text()}
-            if m.name:
-                d["name"] = m.name
-            out.append(d)
-        return out
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [history_message(m) for m in self.messages]
 
 
 class TokenizeRequest(_Request):
@@ -361,6 +358,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -387,6 +385,7 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:

@@ -13,8 +13,6 @@ from typing import Any
 
 # field -> values that ask for nothing (besides None / empty) and so may pass
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (True, False),  # meaningless without tools, which are refused
     "guided_decoding_backend": ("xgrammar", "auto"),  # the one we run
     "use_beam_search": (False,),
     "echo": (False,),
@@ -29,12 +27,10 @@ _COMMON = (
 )
 COMPLETION_REFUSED = frozenset(_COMMON)
 CHAT_REFUSED = frozenset(_COMMON + (
-    "tools", "tool_choice", "functions", "function_call", "chat_template",
+    "functions", "function_call", "chat_template",
     "chat_template_kwargs", "documents", "audio", "modalities", "prediction",
     "web_search_options", "echo",
 ))
-# Fields of one chat message that carry tool traffic (role "tool" is checked apart).
-_MESSAGE_REFUSED = ("tool_calls", "tool_call_id", "function_call")
 
 
 def _asks_something(name: str, value: Any) -> bool:
@@ -50,14 +46,11 @@ def refused_field(data: Any, refused: frozenset[str]) -> tuple[str, str] | None:
     for name in sorted(refused & data.keys()):
         if _asks_something(name, data[name]):
             return name, f"{name} is not supported by this server"
-    messages = data.get("messages") if "tools" in refused else None
+    messages = data.get("messages") if "functions" in refused else None
     if isinstance(messages, list):
         for i, message in enumerate(messages):
-            if not isinstance(message, dict):
-                continue
-            if message.get("role") == "tool":
-                return f"messages.{i}.role", "role 'tool' messages are not supported"
-            for name in _MESSAGE_REFUSED:
-                if _asks_something(name, message.get(name)):
-                    return f"messages.{i}.{name}", f"messages[].{name} is not supported"
+            if isinstance(message, dict) and _asks_something("function_call",
+                                                             message.get("function_call")):
+                return (f"messages.{i}.function_call", "messages[].function_call (the "
+                        "deprecated functions API) is not supported: use tool_calls")
     return None

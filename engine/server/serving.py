@@ -50,6 +50,7 @@ class ServingContext:
     active: set[str] = field(default_factory=set)  # internal engine request ids in flight
     # --generation-config: sampling fields a request that gives none of its own gets
     default_sampling: dict[str, Any] = field(default_factory=dict)
+    tool_call_parser: str | None = None  # tool_choice auto's parser; None: auto is a 400
 
     def with_defaults(self, body: Any, params: SamplingParams) -> SamplingParams:
         """`params` with the server's default sampling fields the client did not give."""

@@ -69,8 +69,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--speculative-config", REFUSED, "no speculative decoding", "JSON"),
     Flag("--enable-lora", REFUSED, "no LoRA adapters"),
     Flag("--lora-modules", REFUSED, "no LoRA adapters", "SPEC"),
-    Flag("--enable-auto-tool-choice", REFUSED, "no tool calling (requests with tools are a 400)"),
-    Flag("--tool-call-parser", REFUSED, "no tool calling", "NAME"),
+    Flag("--enable-auto-tool-choice", HONOURED, "tool_choice `auto` (OpenAI's default with "
+         "tools): the model decides, --tool-call-parser reads its calls; without it `auto` is "
+         "a 400 (`required`, a named function and `none` need no flag)"),
+    Flag("--tool-call-parser", HONOURED, "`hermes` (Qwen2.5, Qwen3: `<tool_call>` blocks) or "
+         "`llama3_json` (Llama 3.x JSON calls); any other parser is refused", "NAME"),
     Flag("--tokenizer", REFUSED, "the model directory's own tokenizer is always used",
          "PATH"),
     Flag("--revision", REFUSED, "models are local directories or files: nothing is "
@@ -120,9 +123,27 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--chat-template", default=None, metavar="TEMPLATE", help=FLAGS[2].what)
     group.add_argument("--generation-config", default="vllm", metavar="auto|vllm|FOLDER",
                        help=FLAGS[3].what)
+    by_name = {f.name: f for f in FLAGS}
+    group.add_argument("--enable-auto-tool-choice", action="store_true", default=False,
+                       help=by_name["--enable-auto-tool-choice"].what)
+    group.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help=by_name["--tool-call-parser"].what)
     group.add_argument("--uvicorn-log-level", default=None,
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help=FLAGS[4].what)
+
+
+def tool_call_parser(enable_auto: bool, parser: str | None) -> str | None:
+    """The parser of tool_choice `auto`, None when `auto` is off. ValueError names the flag."""
+    from engine.server.tools import PARSERS
+
+    if parser is not None and parser not in PARSERS:
+        raise ValueError(f"--tool-call-parser {parser} is not supported by pdserve: "
+                         f"{' or '.join(PARSERS)}")
+    if enable_auto and parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
+                         f"({' or '.join(PARSERS)})")
+    return parser if enable_auto else None
 
 
 def kv_cache_gib(fraction: float, device: str | None) -> float:

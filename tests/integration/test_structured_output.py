@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 from pd_harness import TEST_ENV
-from structured_kit import PERSON, validates
+from structured_kit import PERSON, TOOLS, assemble_tool_calls, valid_call, validates
 
 from pdserve.launcher import ServerProcess, launch_server
 
@@ -21,7 +21,8 @@ from pdserve.launcher import ServerProcess, launch_server
 @pytest.fixture(scope="module")
 def server(tiny_model: str) -> ServerProcess:
     s = launch_server(tiny_model, "--dtype", "float32", "--max-model-len", "512",
-                      "--num-kv-blocks", "64", "--log-level", "warning", env=TEST_ENV)
+                      "--num-kv-blocks", "64", "--log-level", "warning",
+                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes", env=TEST_ENV)
     yield s
     s.stop()
 
@@ -73,17 +74,21 @@ def test_streamed_constrained_answer_equals_the_whole_one(server) -> None:
 
 
 @pytest.mark.parametrize("body, named", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools[0]"),
+    ({"functions": [{"name": "f"}]}, "functions"),
     ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
-    ({"messages": [{"role": "user", "content": "hi"},
-                   {"role": "tool", "content": "1", "tool_call_id": "c"}]}, "messages.1.role"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{x"}}]}]},
+     "arguments is not JSON"),
 ])
-def test_fields_we_do_not_implement_are_refused_naming_them(server, body, named) -> None:
+def test_unimplemented_or_malformed_fields_are_refused_naming_them(server, body, named) -> None:
     r = _post(server, "/v1/chat/completions",
               {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body})
     assert r.status_code == 400, r.text
@@ -96,3 +101,51 @@ def test_a_grammar_xgrammar_cannot_compile_is_refused_not_run_free(server) -> No
     assert r.status_code != 200 and "cannot be compiled" in r.text, r.text
     r = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
     assert r.status_code == 200, r.text  # the engine lives on
+
+
+def _tool_chat(client: openai.OpenAI, **kw):
+    return client.chat.completions.create(
+        model=client.models.list().data[0].id, max_tokens=400, temperature=1.0,
+        messages=[{"role": "user", "content": "weather?"}], tools=TOOLS, **kw)
+
+
+@pytest.mark.parametrize("choice", ["required",
+                                    {"type": "function", "function": {"name": "get_weather"}}])
+def test_required_and_named_tool_calls_validate_streamed_and_not(server, choice) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    # one call: a random model, free to add calls, rarely closes the array within max_tokens
+    kw = {"tool_choice": choice, "parallel_tool_calls": False}
+    for seed in range(2):
+        whole = _tool_chat(client, seed=seed, **kw).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        assert calls and all(valid_call(n, a) for n, a in calls), calls
+        assert whole.finish_reason == ("tool_calls" if choice == "required" else "stop")
+        if choice != "required":
+            assert calls[0][0] == "get_weather"
+        stream = _tool_chat(client, seed=seed, stream=True, **kw)
+        streamed, finish = assemble_tool_calls(stream)
+        assert streamed == calls and finish == whole.finish_reason
+
+
+def test_parallel_tool_calls_false_gives_one_call(server) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    for seed in range(3):
+        msg = _tool_chat(client, tool_choice="required", parallel_tool_calls=False,
+                         seed=seed).choices[0].message
+        assert len(msg.tool_calls) == 1
+
+
+def test_a_conversation_with_tool_calls_and_results_is_rendered(server) -> None:
+    history = [{"role": "user", "content": "weather in paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {
+                       "name": "get_weather", "arguments": '{"city": "paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    short = _post(server, "/v1/chat/completions", {"messages": history[:1], "max_tokens": 2,
+                                                   "tools": TOOLS, "tool_choice": "none"})
+    full = _post(server, "/v1/chat/completions", {"messages": history, "max_tokens": 2,
+                                                  "tools": TOOLS, "tool_choice": "auto"})
+    assert short.status_code == full.status_code == 200, (short.text, full.text)
+    # the tool result is in the prompt (the tiny model's template renders content)
+    assert full.json()["usage"]["prompt_tokens"] > short.json()["usage"]["prompt_tokens"] + 3
+    assert full.json()["choices"][0]["message"]["content"] is not None  # auto: no call made

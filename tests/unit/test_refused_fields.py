@@ -45,15 +45,10 @@ def test_completion_field_we_do_not_implement_is_refused_naming_it(field: str) -
     assert _refusal(CompletionRequest, {"prompt": "hi", field: ASKING[field]}) == field
 
 
-@pytest.mark.parametrize("message, path", [
-    ({"role": "tool", "content": "42", "tool_call_id": "c1"}, "messages.1.role"),
-    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
-      "function": {"name": "f", "arguments": "{}"}}]}, "messages.1.tool_calls"),
-    ({"role": "assistant", "content": "x", "function_call": {"name": "f"}},
-     "messages.1.function_call"),
-])
-def test_tool_traffic_in_the_history_is_refused_naming_it(message: dict, path: str) -> None:
-    assert _refusal(ChatCompletionRequest, {"messages": USER + [message]}) == path
+def test_the_deprecated_function_call_in_the_history_is_refused_naming_it() -> None:
+    message = {"role": "assistant", "content": "x", "function_call": {"name": "f"}}
+    path = _refusal(ChatCompletionRequest, {"messages": USER + [message]})
+    assert path == "messages.1.function_call"
 
 
 @pytest.mark.parametrize("extra", [
