@@ -149,7 +149,8 @@ class KVAware:
 class RoutingMetrics:
     """pdserve:proxy_routing_decisions_total{policy,reason}, _route_pairs_total{prefill,
     decode} (prefill "" = D alone), _prefix_matched_tokens_total{url,role} and
-    _prompt_tokens_total{url,role} (their ratio: the hit rate the routing found), and the KV
+    _prompt_tokens_total{url,role} (their ratio: the hit rate the routing found),
+    _computed_prompt_tokens_total{url,role} (the prefill work the routing left), and the KV
     event consumer's _kv_events_total{url,outcome} and _kv_event_resyncs_total{url,outcome}."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -163,6 +164,10 @@ class RoutingMetrics:
         self.matched = Counter("pdserve:proxy_prefix_matched_tokens",
                                "Prompt tokens the chosen backend held in its prefix cache "
                                "(as the proxy's index saw it).", ["url", "role"], registry=r)
+        self.computed = Counter("pdserve:proxy_computed_prompt_tokens",
+                                "Prompt tokens the chosen engine computes (those its cache "
+                                "lacks, as the proxy's index sees it): P's for a pair, D's for "
+                                "D alone.", ["url", "role"], registry=r)
         self.prompt = Counter("pdserve:proxy_prompt_tokens",
                               "Prompt tokens routed to the backend.", ["url", "role"],
                               registry=r)
@@ -214,6 +219,8 @@ class Router:
         for b in route.prefill:
             if b.healthy and id(b) not in skip:
                 self._count(b, "prefill", view)
+                if view.tokens is not None:
+                    self.metrics.computed.labels(url=b.url, role="prefill").inc(view.uncached(b))
                 return self.prefill.lease(b, view.uncached(b))
         return None
 
@@ -221,6 +228,9 @@ class Router:
         b = route.decode if route.decode.healthy else None
         lease = self.decode.lease(b) if b is not None else self.decode.choose()
         if lease is not None:
+            if prefill is None and view.tokens is not None:  # D alone computes what it lacks
+                self.metrics.computed.labels(url=lease.url, role="decode").inc(
+                    view.uncached(lease.backend))
             self._count(lease.backend, "decode", view)
             self.metrics.pairs.labels(prefill=prefill.url if prefill else "",
                                       decode=lease.url).inc()

@@ -14,9 +14,11 @@ policies in a rotating order, before turn t+1 — so the machine's load hits eve
 alike. A turn is the history (system prompt, earlier user turns and the answers D streamed
 back, their token ids read from the streamed logprobs) plus `--user-tokens` new tokens.
 
-Prefill tokens computed per request come from the engines' own counters, read before and
-after each policy's batch (nothing else is in flight then): on every engine
-vllm:prefix_cache_queries - vllm:prefix_cache_hits - pdserve:kv_remote_prefill_tokens.
+Prefill tokens computed per request: each policy's proxy counts the prompt tokens the engine
+it chose computes (pdserve:proxy_computed_prompt_tokens_total: P's uncached part of a pair,
+D's of D alone), from its index of every engine's cache, rebuilt from their KV events; read
+before and after each of its batches. (The engines' vllm:prefix_cache_queries/_hits series
+read 0 at the time of writing, so they cannot serve.)
 
 The sweep (`--sweep`): fresh (uncached) prompts of each length, D alone vs disaggregated,
 interleaved, while `--sweep-background` long decodes run on D; the crossover (the shortest
@@ -103,63 +105,66 @@ class Cluster:
             argv += ["--prefill", s.url]
         for s in decodes:
             argv += ["--decode", s.url]
-        if "kv-aware" in args:
-            argv += ["--tokenizer", self.model]
-            for s in self.prefills + decodes:
-                argv += ["--kv-events", self.events[s.url]]
+        # every policy's proxy tokenizes and mirrors the caches (its computed-token counts),
+        # whether its policy looks at them or not: the same per-request overhead for all
+        argv += ["--tokenizer", self.model]
+        for s in self.prefills + decodes:
+            argv += ["--kv-events", self.events[s.url]]
         proxy = ServerProcess(argv, "127.0.0.1", port, {**os.environ, **ENV}, None)
         self.procs.append(proxy)
         proxy.wait_healthy(60)
         return proxy
 
 
+def _launch(model: str, name: str, module: str, num_blocks: int, log_dir: str
+            ) -> tuple[ServerProcess, str]:
+    ev = free_port(count=2)
+    cfg = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                      "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{ev + 1}"})
+    s = launch_server(model, "--num-kv-blocks", str(num_blocks), "--kv-connector",
+                      "NixlPushConnector", "--engine-id", name, "--kv-port",
+                      str(free_port(count=2)), "--max-model-len", "2048",
+                      "--served-model-name", "m", "--log-level", "warning",
+                      "--kv-events-config", cfg, module=module, env=ENV, wait=False,
+                      log_path=os.path.join(log_dir, f"{name}.log"))
+    return s, f"{s.url}=tcp://127.0.0.1:{ev},tcp://127.0.0.1:{ev + 1}"
+
+
 def start_cluster(model: str, num_blocks: int, log_dir: str) -> Cluster:
+    """P0, P1, D0, D1 side by side; one that fails to start (a port taken by another
+    process while it loaded: the machine is shared) is started again, twice at most."""
     cluster = Cluster(model, [], [])
-    for name, module in (("P0", "prefill"), ("P1", "prefill"), ("D0", "decode"),
-                         ("D1", "decode")):
-        ev = free_port(count=2)
-        cfg = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                          "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{ev + 1}"})
-        s = launch_server(model, "--num-kv-blocks", str(num_blocks), "--kv-connector",
-                          "NixlPushConnector", "--engine-id", name, "--kv-port",
-                          str(free_port(count=2)), "--max-model-len", "2048",
-                          "--served-model-name", "m", "--log-level", "warning",
-                          "--kv-events-config", cfg, module=module, env=ENV, wait=False,
-                          log_path=os.path.join(log_dir, f"{name}.log"))
+    roles = (("P0", "prefill"), ("P1", "prefill"), ("D0", "decode"), ("D1", "decode"))
+    started = {name: _launch(model, name, module, num_blocks, log_dir)
+               for name, module in roles}
+    for name, module in roles:
+        for attempt in range(3):
+            s, events = started[name]
+            try:
+                s.wait_healthy(600)
+                break
+            except RuntimeError as exc:
+                s.stop()
+                if attempt == 2:
+                    for other, _ in started.values():
+                        other.stop()
+                    raise
+                print(f"{name} failed to start ({exc}); starting it again", flush=True)
+                started[name] = _launch(model, name, module, num_blocks, log_dir)
         cluster.procs.append(s)
         (cluster.prefills if module == "prefill" else cluster.decodes).append(s)
-        cluster.events[s.url] = f"{s.url}=tcp://127.0.0.1:{ev},tcp://127.0.0.1:{ev + 1}"
-    for s in cluster.procs:
-        s.wait_healthy(300)
+        cluster.events[s.url] = events
     return cluster
 
 
-def _counters(engines: list[ServerProcess]) -> float:
-    """Prompt tokens the engines computed so far (queried - cache hits - received)."""
-    names = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
-             "pdserve:kv_remote_prefill_tokens")
-    total = 0.0
-    for s in engines:
-        values = dict.fromkeys(names, 0.0)
-        for line in httpx.get(s.url + "/metrics", timeout=30).text.splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0].removesuffix("_total")
-            if name in values:
-                values[name] += float(line.rsplit(" ", 1)[1])
-        total += values[names[0]] - values[names[1]] - values[names[2]]
-    return total
-
-
-def settled(engines: list[ServerProcess], deadline_s: float = 10.0) -> float:
-    """The computed-token count once two reads 0.5 s apart agree (stats lag a step)."""
-    last = _counters(engines)
-    until = time.monotonic() + deadline_s
-    while time.monotonic() < until:
-        time.sleep(0.5)
-        now = _counters(engines)
-        if now == last:
-            return now
-        last = now
-    return last
+def computed_tokens(proxy: ServerProcess) -> float:
+    """Prompt tokens the engines computed for the requests `proxy` routed so far: its
+    pdserve:proxy_computed_prompt_tokens_total (P's uncached part of a pair, D's of D alone,
+    from its index of the engines' caches, which their KV events rebuild exactly)."""
+    name = "pdserve:proxy_computed_prompt_tokens_total"
+    return sum(float(line.rsplit(" ", 1)[1])
+               for line in httpx.get(proxy.url + "/metrics", timeout=30).text.splitlines()
+               if line.startswith(name + "{"))
 
 
 async def stream_turn(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int,
@@ -202,7 +207,6 @@ def run_topology(cluster: Cluster, name: str, args: argparse.Namespace, threshol
         proxies[policy] = cluster.proxy(decodes, *pargs)
     system = [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(args.system_tokens)]
     history = {p: [list(system) for _ in range(args.conversations)] for p in POLICIES}
-    engines = cluster.prefills + decodes
     turns: list[Turn] = []
     order = list(POLICIES)
     for t in range(args.turns):
@@ -210,10 +214,10 @@ def run_topology(cluster: Cluster, name: str, args: argparse.Namespace, threshol
             convs = history[policy]
             for h in convs:
                 h += [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(args.user_tokens)]
-            before = settled(engines)
+            before = computed_tokens(proxies[policy])
             results = asyncio.run(run_batch(proxies[policy].url, convs, args.answer_tokens,
                                             args.concurrency, vocab))
-            computed = (settled(engines) - before) / len(convs)
+            computed = (computed_tokens(proxies[policy]) - before) / len(convs)
             for c, (ttft, answer, ok) in enumerate(results):
                 turns.append(Turn(policy, c, t, len(convs[c]), ttft, ok, computed))
                 convs[c] += answer
