@@ -9,7 +9,13 @@ import socket
 import sys
 
 from cluster.args import SECRET_ENV, add_etcd_args
-from proxy.config import MODES, P_FAILURE_POLICIES, ROUTING_POLICIES, ProxyConfig
+from proxy.config import (
+    DISAGG_MIN_TOKENS,
+    MODES,
+    P_FAILURE_POLICIES,
+    ROUTING_POLICIES,
+    ProxyConfig,
+)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -67,9 +73,10 @@ def add_routing_args(parser: argparse.ArgumentParser) -> None:
                         "endpoint, optional replay endpoint), one per data-parallel rank "
                         "(repeatable); backends without one are tracked by what was routed")
     parser.add_argument("--kv-events-topic", default="", help="topic of the KV events")
-    parser.add_argument("--disagg-min-tokens", type=int, default=0, metavar="N",
+    parser.add_argument("--disagg-min-tokens", type=int, default=None, metavar="N",
                         help="kv-aware: a request whose uncached part on D is below N "
-                        "tokens runs on D alone (default 0: always disaggregate)")
+                        f"tokens runs on D alone (default {DISAGG_MIN_TOKENS}, measured; "
+                        "0: always disaggregate; needs --tokenizer)")
     parser.add_argument("--prefill-max-outstanding", type=int, default=0, metavar="N",
                         help="kv-aware: a P with N legs in flight is saturated; when every "
                         "P is, requests run on D alone (default 0: never)")
@@ -103,7 +110,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         tokenizer=args.tokenizer,
         kv_events=tuple(args.kv_events),
         kv_events_topic=args.kv_events_topic,
-        disagg_min_tokens=args.disagg_min_tokens,
+        disagg_min_tokens=(args.disagg_min_tokens if args.disagg_min_tokens is not None
+                           else DISAGG_MIN_TOKENS if args.routing == "kv-aware" else 0),
         prefill_max_outstanding=args.prefill_max_outstanding,
         decode_max_outstanding=args.decode_max_outstanding,
     )

@@ -8,6 +8,9 @@ from urllib.parse import urlsplit
 MODES = ("push", "pull")
 P_FAILURE_POLICIES = ("recompute", "cancel")
 ROUTING_POLICIES = ("kv-aware", "least-outstanding", "round-robin")  # proxy/routing.py
+# kv-aware's --disagg-min-tokens default, measured (`pdserve bench multiturn`'s sweep,
+# bench/results/multiturn.json): below it, D alone answers sooner than a disaggregated pair
+DISAGG_MIN_TOKENS = 128
 
 
 def normalize_url(url: str) -> str:

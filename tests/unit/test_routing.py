@@ -137,3 +137,22 @@ def test_the_health_poll_reads_each_d_free_kv_blocks_and_running_requests():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_disagg_min_tokens_defaults_to_the_measured_crossover_for_kv_aware_only():
+    import argparse
+
+    from proxy.cli import add_args, config_from_args
+    from proxy.config import DISAGG_MIN_TOKENS
+
+    def config(*argv: str):
+        parser = argparse.ArgumentParser()
+        add_args(parser)
+        return config_from_args(parser.parse_args(
+            ["--prefill", "http://p", "--decode", "http://d", *argv]))
+
+    assert DISAGG_MIN_TOKENS > 0
+    assert config().disagg_min_tokens == DISAGG_MIN_TOKENS  # kv-aware is the default
+    assert config("--disagg-min-tokens", "0").disagg_min_tokens == 0
+    for policy in ("least-outstanding", "round-robin"):  # no threshold without kv-aware
+        assert config("--routing", policy).disagg_min_tokens == 0
