@@ -67,7 +67,7 @@ _FIELDS: dict[str, dict[str, list[Any]]] = {
     CHAT: {
         **_SAMPLING, "max_completion_tokens": _INT, "top_logprobs": _INT,
         "logprobs": _BOOL, "add_generation_prompt": _BOOL, "continue_final_message": _BOOL,
-        "tools": [[{"type": "function"}], "x"], "response_format": [{"type": "json_object"}, 5],
+        "tools": [[{"type": "function"}], "x"], "response_format": [{"type": "xml"}, 5],
         "messages": [
             [{"role": "user", "content": SURROGATE}],
             [{"role": "user", "content": [{"type": "text", "text": "a" + SURROGATE}]}],

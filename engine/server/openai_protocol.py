@@ -150,8 +150,8 @@ class _SamplingFields(_Request):
                 response_format=self.response_format, structured_outputs=self.structured_outputs,
                 guided_json=self.guided_json, guided_regex=self.guided_regex,
                 guided_choice=self.guided_choice, guided_grammar=self.guided_grammar)
-        except ValueError as exc:
-            raise from_value_error(exc) from exc
+        except ValueError as exc:  # "response_format.type must be ...": param response_format
+            raise APIError(str(exc), param=str(exc).split(" ", 1)[0].split(".")[0]) from exc
         optional = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "presence_penalty": self.presence_penalty,

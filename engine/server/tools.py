@@ -148,13 +148,13 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bo
         return None
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
-        if (t.get("type", "function") != "function" or not isinstance(fn, dict)
+        if (not isinstance(fn, dict) or t.get("type", "function") != "function"
                 or not isinstance(fn.get("name"), str) or not fn["name"]):
             raise APIError(f"tools[{i}] must be {{type: function, function: {{name, ...}}}}",
-                           param=f"tools.{i}")
+                           param="tools")
         if not isinstance(fn.get("parameters", {}), dict):
             raise APIError(f"tools[{i}].function.parameters must be a JSON schema object",
-                           param=f"tools.{i}.function.parameters")
+                           param="tools")
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise APIError("tools must have distinct function names", param="tools")
