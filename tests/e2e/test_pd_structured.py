@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from first_token_kit import check_equal, post
-from pd_harness import deployment
-from structured_kit import PERSON, validates
+from first_token_kit import SEEDED, check_equal, post
+from pd_harness import deployment, metric
+from structured_kit import PERSON, TOOLS, valid_call, validates
 
 
 @pytest.fixture(scope="module")
@@ -46,3 +46,19 @@ def test_constrained_pd_answer_equals_colocated_and_obeys_the_grammar(pd, case: 
         assert text in fields["guided_choice"], text
     else:
         assert validates(json.loads(text), PERSON), text
+
+
+def test_required_tool_call_through_pd_equals_colocated(pd) -> None:
+    body = {"model": "m", "max_tokens": 120, "temperature": 0.9, "seed": 3, "tools": TOOLS,
+            "tool_choice": "required", "parallel_tool_calls": False,
+            "messages": [{"role": "user", "content": "weather in town?"}]}
+
+    def calls(answer: dict) -> list[tuple[str, str]]:
+        msg = answer["choices"][0]["message"]
+        return [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]]
+
+    colocated = calls(post(pd.d.url, "/v1/chat/completions", body))
+    seeded = metric(pd.d, SEEDED)
+    via = calls(post(pd.proxy.url, "/v1/chat/completions", body))
+    assert via == colocated and len(via) == 1 and valid_call(*via[0]), (via, colocated)
+    assert metric(pd.d, SEEDED) == seeded + 1
