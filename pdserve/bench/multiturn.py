@@ -11,8 +11,9 @@ for each topology (2P1D: D0 only; 2P2D) one proxy per policy over the same engin
 Each policy gets its own conversations (same shape, its own random tokens; one shared system
 prompt per topology). Rounds are interleaved: turn t of every policy's conversations, the
 policies in a rotating order, before turn t+1 — so the machine's load hits every policy
-alike. A turn is the history (system prompt, earlier user turns and the answers D streamed
-back, their token ids read from the streamed logprobs) plus `--user-tokens` new tokens.
+alike; within a batch the conversations go in a random order. A turn is the history
+(system prompt, earlier user turns and the answers D streamed back, their token ids read
+from the streamed logprobs) plus `--user-tokens` new tokens.
 
 Prefill tokens computed per request: each policy's proxy counts the prompt tokens the engine
 it chose computes (pdserve:proxy_computed_prompt_tokens_total: P's uncached part of a pair,
@@ -214,9 +215,13 @@ def run_topology(cluster: Cluster, name: str, args: argparse.Namespace, threshol
             convs = history[policy]
             for h in convs:
                 h += [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(args.user_tokens)]
+            # follow-ups arrive in no set order: a fixed one would hand least-outstanding's
+            # round-robin ties the same P for a conversation every turn, by accident
+            order_c = rng.sample(range(len(convs)), len(convs))
             before = computed_tokens(proxies[policy])
-            results = asyncio.run(run_batch(proxies[policy].url, convs, args.answer_tokens,
-                                            args.concurrency, vocab))
+            shuffled = asyncio.run(run_batch(proxies[policy].url, [convs[c] for c in order_c],
+                                             args.answer_tokens, args.concurrency, vocab))
+            results = [shuffled[order_c.index(c)] for c in range(len(convs))]
             computed = (computed_tokens(proxies[policy]) - before) / len(convs)
             for c, (ttft, answer, ok) in enumerate(results):
                 turns.append(Turn(policy, c, t, len(convs[c]), ttft, ok, computed))
