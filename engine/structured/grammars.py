@@ -32,12 +32,27 @@ def _compiler(tokenizer_path: str, vocab_size: int) -> Any:
     with _LOCK:
         if key not in _COMPILERS:
             import xgrammar as xgr
-            from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(tokenizer_path)
-            info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size)
+            info = _tokenizer_info(xgr, tokenizer_path, vocab_size)
             _COMPILERS[key] = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
         return _COMPILERS[key]
+
+
+def _tokenizer_info(xgr: Any, model: str, vocab_size: int) -> Any:
+    """xgrammar's view of the engine's own tokenizer (a directory's tokenizer.json or one
+    rebuilt from a GGUF file), as its from_huggingface reads a fast tokenizer."""
+    from engine.models.formats import load_tokenizer
+
+    tok = load_tokenizer(model)
+    backend = tok._tok  # the `tokenizers` Tokenizer
+    encoded = [""] * vocab_size
+    for token, idx in backend.get_vocab(with_added_tokens=True).items():
+        if idx < vocab_size:
+            encoded[idx] = token
+    meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
+    stops = [tok.eos_token_id] if tok.eos_token_id is not None else None
+    return xgr.TokenizerInfo(encoded, meta["vocab_type"], vocab_size=vocab_size,
+                             stop_token_ids=stops, add_prefix_space=meta["add_prefix_space"])
 
 
 def _choice_grammar(spec: str) -> str:
