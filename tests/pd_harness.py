@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,8 +115,13 @@ def deployment(model: str, mode: str = "push", *, num_blocks: int = 512,
             procs.append(proxy)
         yield Deployment([p], decodes, proxy, mode, kv_ports)
     finally:
-        for s in reversed(procs):
-            s.stop()
+        stop_all(procs)
+
+
+def stop_all(procs: list[ServerProcess]) -> None:
+    """Stop servers side by side (each waits for its own drain), the last started first."""
+    with ThreadPoolExecutor(max(1, len(procs))) as pool:
+        list(pool.map(lambda s: s.stop(), reversed(procs)))
 
 
 def wait_until(pred: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> None:

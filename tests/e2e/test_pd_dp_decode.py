@@ -18,6 +18,7 @@ from pd_harness import (
     per_engine,
     role_args,
     start_proxy,
+    stop_all,
     wait_until,
 )
 
@@ -89,5 +90,4 @@ def test_decode_at_dp2(tiny_model, reference, mode, tmp_path):
         after = per_engine(d, COUNTER[mode])
         assert after["0"] == moved["0"] + 3
     finally:
-        for s in reversed(procs):
-            s.stop()
+        stop_all(procs)

@@ -23,6 +23,7 @@ from pd_harness import (
     per_engine,
     role_args,
     start_proxy,
+    stop_all,
     wait_until,
 )
 from test_pd_dp_decode import CONNECTORS, PROMPTS, reference  # noqa: F401 (fixture)
@@ -133,5 +134,4 @@ def test_prefill_at_dp2(tiny_model, reference, mode, tmp_path):  # noqa: F811
             1 if mode == "push" else 0)  # pull: D got no params, so it just computes
         assert_no_leaks([p, *decodes])
     finally:
-        for s in reversed(procs):
-            s.stop()
+        stop_all(procs)

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from pd_harness import TEST_ENV, _log_path, role_args, start_proxy
+from pd_harness import TEST_ENV, _log_path, role_args, start_proxy, stop_all
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLM, SamplingParams
@@ -53,8 +53,7 @@ def cluster(tiny_model: str) -> Iterator[tuple[list[ServerProcess], ServerProces
         procs.append(proxy)
         yield engines, proxy
     finally:
-        for s in reversed(procs):
-            s.stop()
+        stop_all(procs)
 
 
 @pytest.fixture(scope="module")

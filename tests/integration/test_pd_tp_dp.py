@@ -21,6 +21,7 @@ from pd_harness import (
     per_engine,
     role_args,
     start_proxy,
+    stop_all,
     wait_until,
 )
 
@@ -88,5 +89,4 @@ def test_prefill_at_tp2_dp2_pushes_to_decode_through_the_proxy(tiny_model, refer
         assert metric(d, "pdserve:kv_remote_prefill_tokens_total") > 0
         assert_no_leaks([p, d])
     finally:
-        for s in reversed(procs):
-            s.stop()
+        stop_all(procs)
