@@ -23,6 +23,7 @@ from pd_harness import (
     per_engine,
     role_args,
     start_proxy,
+    stop_all,
     wait_until,
 )
 
@@ -124,8 +125,7 @@ def test_ephemeral_side_channel_is_advertised_as_bound_and_pairs(tiny_model, ref
         assert _serve_through_proxy(p, d, procs) == reference
         _assert_pushed(p, d)
     finally:
-        for s in reversed(procs):
-            s.stop()
+        stop_all(procs)
 
 
 def test_every_data_parallel_rank_advertises_what_it_bound(tiny_model, reference, tmp_path):
@@ -148,5 +148,4 @@ def test_every_data_parallel_rank_advertises_what_it_bound(tiny_model, reference
         writes = per_engine(p, "pdserve:kv_push_writes_total")
         assert writes == {"0": len(PROMPTS) / 2, "1": len(PROMPTS) / 2}, writes  # both ranks
     finally:
-        for s in reversed(procs):
-            s.stop()
+        stop_all(procs)
