@@ -13,6 +13,7 @@ are within BF16_TIE_MARGIN of each other in the colocated engine's own logprobs.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import openai
 import pytest
@@ -20,6 +21,7 @@ from pd_harness import assert_no_leaks, deployment, metric
 
 from engine import LLM, SamplingParams
 from engine.models.source import resolve_model
+from engine.protocol import StructuredOutput
 
 MAX_TOKENS = 32
 BF16_TIE_MARGIN = 0.25  # two bf16 steps at |logit| 16..32
@@ -143,3 +145,23 @@ def test_chat_with_the_models_template_through_the_proxy(pd, colocated, dtype):
     if dtype == "float32":
         assert r.choices[0].message.content == want.outputs[0].text
     assert_no_leaks(pd.engines)
+
+
+def test_json_object_chat_parses_and_equals_colocated(pd, colocated, dtype):
+    """Issue 31: response_format json_object on the real model, through P/D (P samples the
+    first token under the grammar, D continues it): the answer parses as a JSON object."""
+    client = openai.OpenAI(base_url=f"{pd.proxy.url}/v1", api_key="x", max_retries=0,
+                           timeout=300)
+    messages = [{"role": "user", "content": "Describe a cat as JSON with a name and an age."}]
+    r = client.chat.completions.create(model="m", messages=messages, max_tokens=60,
+                                       temperature=0.0, response_format={"type": "json_object"})
+    answer = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(answer), dict), answer
+    if dtype == "float32":
+        tok = colocated.get_tokenizer()
+        prompt = tok.encode(tok.apply_chat_template(messages))
+        (want,) = colocated.generate(
+            [{"prompt_token_ids": prompt}],
+            SamplingParams(temperature=0.0, max_tokens=60,
+                           structured=StructuredOutput("json_object")), use_tqdm=False)
+        assert answer == want.outputs[0].text
