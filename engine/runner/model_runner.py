@@ -161,6 +161,10 @@ class ModelRunner:
             if state.num_computed_tokens == len(state.token_ids):
                 sample_rows.append(len(tokens) - 1)
                 sampling.append(state)
+        # the grammar masks of this step's sampled rows, computed while the model runs
+        masks = self.grammars.bitmask_async(
+            [(s.req_id, s.params.structured, s.token_ids[s.num_prompt_tokens:])
+             for s in sampling])
         meta = AttentionMetadata(spans, self.block_size, self.arch.num_layers, self.device,
                                  kernel=self.attn_kernel is not None)
         attn = PagedAttention(self.kv_cache, meta, self.scale, self.attn_kernel)
@@ -181,9 +185,7 @@ class ModelRunner:
                 [s.generator for s in sampling],
                 [s.eos_token_id for s in sampling],
             )
-            smeta.grammar_bitmask = self.grammars.bitmask(
-                [(s.req_id, s.params.structured, s.token_ids[s.num_prompt_tokens:])
-                 for s in sampling])
+            smeta.grammar_bitmask = None if masks is None else masks.result()
             result = self.sampler(logits, smeta)
             token_list = result.sampled_token_ids.tolist()
             for i, state in enumerate(sampling):

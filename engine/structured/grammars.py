@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,19 @@ class GrammarTable:
         self.vocab_size = vocab_size
         self._matched: dict[str, _Matched] = {}
         self.num_rejected_tokens = 0  # output tokens a matcher refused (never expected)
+        self._pool: Any = None  # one "grammar-mask" thread, started by the first grammar
+
+    def bitmask_async(self, rows: list[tuple[str, StructuredOutput | None, list[int]]]
+                      ) -> Future[torch.Tensor | None] | None:
+        """`bitmask(rows)` on the grammar-mask thread, so it overlaps the forward pass (the
+        rows' tokens are known before it; xgrammar releases the GIL). None: no constrained
+        row. The caller takes the result before the next call: one job at a time, so the
+        table is never used by two threads at once."""
+        if all(spec is None for _, spec, _ in rows):
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        return self._pool.submit(self.bitmask, rows)
 
     def drop(self, req_id: str) -> None:
         self._matched.pop(req_id, None)
