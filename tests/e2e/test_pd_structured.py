@@ -1,4 +1,4 @@
-"""Structured output through push P/D (issue 31 item 3): the proxy sends P the same grammar
+"""Structured output through push and pull P/D (issue 31 item 3): the proxy sends P the same grammar
 fields, so P's first token obeys the grammar, and D's matcher continues from that token (D is
 seeded with it: kv_first_token_seeded_total rises). Every answer equals D colocated token for
 token, streamed and not, greedy and seeded, and validates."""
@@ -35,7 +35,7 @@ CASES = [  # (path, fields, streamed)
 ]
 
 
-@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("case", [0, 3, 4])  # the pull module below runs 1 and 2
 def test_constrained_pd_answer_equals_colocated_and_obeys_the_grammar(pd, case: int) -> None:
     path, fields, streamed = CASES[case]
     body = {"model": "m", "max_tokens": 120, **fields}
@@ -62,3 +62,15 @@ def test_required_tool_call_through_pd_equals_colocated(pd) -> None:
     via = calls(post(pd.proxy.url, "/v1/chat/completions", body))
     assert via == colocated and len(via) == 1 and valid_call(*via[0]), (via, colocated)
     assert metric(pd.d, SEEDED) == seeded + 1
+
+
+@pytest.fixture(scope="module")
+def pd_pull(tiny_model: str):
+    with deployment(tiny_model, "pull") as dep:
+        yield dep
+
+
+@pytest.mark.parametrize("case", [1, 2])  # completions json streamed, chat json_schema
+def test_constrained_pull_answer_equals_colocated(pd_pull, case: int) -> None:
+    path, fields, streamed = CASES[case]
+    check_equal(pd_pull, path, {"model": "m", "max_tokens": 120, **fields}, streamed)
