@@ -219,20 +219,18 @@ class MigratingStream:
         """Open the continuation and return its first chunk; or raise what ends the stream."""
         plan, ctx, d = self.plan, self.ctx, self.migrator.dispatcher
         old = self.leg
+        body = self._continuation_body() if self._can_migrate() else None
+        if body is None or ctx.remaining() <= 0:
+            raise self._give_up(broke)  # the relay counts the failure and reports it
         if broke.exc is not None:
             record_connection_failure(old.lease.pool, old.lease, broke.exc)
         else:
-            old.lease.pool.record_failure(old.lease.backend, f"stream {broke.reason}",
+            old.lease.pool.record_failure(old.lease.backend, f"stream_{broke.reason}",
                                           unreachable=False)
         plan.tried.append(old.lease.backend)
-        if not self._can_migrate() or ctx.remaining() <= 0:
-            raise self._give_up(broke)
-        body = self._continuation_body()
-        if body is None:
-            raise self._give_up(broke)
         while True:
             lease = d.decode.choose(exclude=plan.tried)
-            if lease is None:
+            if lease is None:  # the old leg's failure is counted already
                 raise self._give_up(broke)
             headers = {**ctx.headers, "x-request-id": new_id()}
             try:
