@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 _COMPILERS: dict[tuple[str, int], Any] = {}  # (tokenizer path, vocab) -> GrammarCompiler
 _LOCK = threading.Lock()
+_CACHE_LIMIT_BYTES = 256 << 20  # compiled grammars kept per tokenizer (least recently used go)
 
 
 def _compiler(tokenizer_path: str, vocab_size: int) -> Any:
@@ -35,7 +36,9 @@ def _compiler(tokenizer_path: str, vocab_size: int) -> Any:
             import xgrammar as xgr
 
             info = _tokenizer_info(xgr, tokenizer_path, vocab_size)
-            _COMPILERS[key] = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+            # bounded: every distinct schema a client sends would otherwise stay cached
+            _COMPILERS[key] = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True,
+                                                  cache_limit_bytes=_CACHE_LIMIT_BYTES)
         return _COMPILERS[key]
 
 
