@@ -75,8 +75,8 @@ def add_routing_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-events-topic", default="", help="topic of the KV events")
     parser.add_argument("--disagg-min-tokens", type=int, default=None, metavar="N",
                         help="kv-aware: a request whose uncached part on D is below N "
-                        f"tokens runs on D alone (default {DISAGG_MIN_TOKENS}, measured; "
-                        "0: always disaggregate; needs --tokenizer)")
+                        f"tokens runs on D alone (default {DISAGG_MIN_TOKENS}, measured by "
+                        "pdserve bench multiturn; 0: always disaggregate; needs --tokenizer)")
     parser.add_argument("--prefill-max-outstanding", type=int, default=0, metavar="N",
                         help="kv-aware: a P with N legs in flight is saturated; when every "
                         "P is, requests run on D alone (default 0: never)")

@@ -8,9 +8,11 @@ from urllib.parse import urlsplit
 MODES = ("push", "pull")
 P_FAILURE_POLICIES = ("recompute", "cancel")
 ROUTING_POLICIES = ("kv-aware", "least-outstanding", "round-robin")  # proxy/routing.py
-# kv-aware's --disagg-min-tokens default, measured (`pdserve bench multiturn`'s sweep,
-# bench/results/multiturn.json): below it, D alone answers sooner than a disaggregated pair
-DISAGG_MIN_TOKENS = 128
+# kv-aware's --disagg-min-tokens default, measured (`pdserve bench multiturn`,
+# bench/results/multiturn*.json): on the 2-core CPU host, short follow-up turns run on D alone
+# answered 1.3-1.6x later than disaggregated ones (4 in flight or 1), and the sweep of fresh
+# prompts has no stable crossover, so the measured default is 0: always disaggregate
+DISAGG_MIN_TOKENS = 0
 
 
 def normalize_url(url: str) -> str:

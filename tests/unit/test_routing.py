@@ -7,6 +7,7 @@ import http.server
 import threading
 
 import httpx
+import pytest
 
 from engine.kv_events import BlockStored
 from proxy.backends import Backend, BackendPool, HealthMonitor
@@ -139,7 +140,7 @@ def test_the_health_poll_reads_each_d_free_kv_blocks_and_running_requests():
         server.server_close()
 
 
-def test_disagg_min_tokens_defaults_to_the_measured_crossover_for_kv_aware_only():
+def test_disagg_min_tokens_defaults_to_the_measured_value_for_kv_aware_only():
     import argparse
 
     from proxy.cli import add_args, config_from_args
@@ -151,8 +152,9 @@ def test_disagg_min_tokens_defaults_to_the_measured_crossover_for_kv_aware_only(
         return config_from_args(parser.parse_args(
             ["--prefill", "http://p", "--decode", "http://d", *argv]))
 
-    assert DISAGG_MIN_TOKENS > 0
     assert config().disagg_min_tokens == DISAGG_MIN_TOKENS  # kv-aware is the default
-    assert config("--disagg-min-tokens", "0").disagg_min_tokens == 0
+    assert config("--disagg-min-tokens", "48").disagg_min_tokens == 48
     for policy in ("least-outstanding", "round-robin"):  # no threshold without kv-aware
         assert config("--routing", policy).disagg_min_tokens == 0
+    with pytest.raises(ValueError, match="disagg_min_tokens"):  # no threshold there
+        config("--routing", "round-robin", "--disagg-min-tokens", "48")
