@@ -90,6 +90,10 @@ def decode_leg_body(body: dict[str, Any], kv_params: dict[str, Any] | None) -> d
     if kv_params is None:
         leg.pop("kv_transfer_params", None)
     else:
+        client = body.get("kv_transfer_params")
+        if isinstance(client, dict) and client.get("first_token") is False:
+            # the client opts out of D starting from P's token (benchmarks: today's handover)
+            kv_params = {**kv_params, "first_token": False}
         leg["kv_transfer_params"] = kv_params
     return leg
 

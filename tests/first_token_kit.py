@@ -117,13 +117,28 @@ def check_all_equal(dep: Deployment) -> None:
 
 
 def check_stop_on_first_token(dep: Deployment) -> None:
-    """A first token that ends the request: the client gets one token, nothing is left."""
+    """A first token that ends the request — max_tokens=1, a stop token, a stop string —:
+    the client gets that one token as colocated, and no block or table entry is left."""
     assert dep.proxy is not None
     body = completion_body(300, max_tokens=1, temperature=0.0)
     colocated = post(dep.d.url, "/v1/completions", body)
     via = post(dep.proxy.url, "/v1/completions", body)
     assert _strip(via) == _strip(colocated)
     assert via["choices"][0]["finish_reason"] == "length"
+    for i, stop in enumerate(("token", "string")):
+        probe = completion_body(310 + i, temperature=0.0, return_token_ids=True)
+        chunks = [c for c in stream(dep.d.url, "/v1/completions", probe) if c["choices"]]
+        ids = [t for c in chunks for t in c["choices"][0].get("token_ids") or []]
+        text = "".join(c["choices"][0].get("text") or "" for c in chunks)
+        body = completion_body(310 + i, temperature=0.0)
+        if stop == "token":
+            body["stop_token_ids"] = ids[:1]
+        else:
+            body["stop"] = [text[:1] or "x"]
+        colocated = post(dep.d.url, "/v1/completions", body)
+        via = post(dep.proxy.url, "/v1/completions", body)
+        assert _strip(via) == _strip(colocated)
+        assert via["choices"][0]["finish_reason"] == "stop"
     assert_no_leaks(dep.engines)
 
 

@@ -31,6 +31,10 @@ def pd(tiny_model: str):
 def test_push_seeded_handover_equals_colocated(pd):
     check_all_equal(pd)
     assert_no_leaks(pd.engines)
+    # every WRITE was announced to D's side channel (D polls fast only after that)
+    writes = metric(pd.p, "pdserve:kv_push_writes_total")
+    assert metric(pd.p, "pdserve:kv_pokes_sent_total") >= writes > 0
+    assert metric(pd.d, "pdserve:kv_pokes_received_total") >= writes
 
 
 def test_push_stop_on_first_token_leaves_no_block(pd):

@@ -1,0 +1,143 @@
+"""Zero-bubble handover benchmark (issue 28): TTFT through the push proxy vs P alone.
+
+One 1P1D push deployment of the bench model (P pinned to core 0, D to core 1 with --pin;
+otherwise both unpinned, sharing the cores). For each prompt length, rounds of three
+requests sent one at a time, in turn, each with a fresh random prompt (no prefix-cache hit):
+  colocated  streamed straight to P as a plain request (P's own TTFT)
+  seeded     through the proxy: D starts from P's first token (this issue)
+  recompute  through the proxy with kv_transfer_params {"first_token": false}: today's
+             handover, D computes the last prompt position again
+TTFT is the arrival of the first chunk that carries text; the gap is the next such chunk.
+Reported: medians, the paired median of (proxy - colocated) per round, the CPU model and
+the load average. Writes bench/results/first_token.json (or --out).
+
+  .venv/bin/python scripts/bench_first_token.py [--pin] [--rounds 15] [--lengths 128 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+
+from engine.net import free_port
+from pdserve.launcher import ServerProcess, launch_server
+
+MODES = ("colocated", "seeded", "recompute")
+
+
+def _role(module: str, model: str, engine_id: str, env: dict[str, str]) -> ServerProcess:
+    args = ["--num-kv-blocks", "1024", "--kv-connector", "NixlPushConnector", "--engine-id",
+            engine_id, "--kv-port", str(free_port(count=2)), "--max-model-len", "4096",
+            "--served-model-name", "m", "--log-level", "warning"]
+    return launch_server(model, *args, module=module, env=env, wait=False)
+
+
+def _pin(server: ServerProcess, core: int | None) -> None:
+    if core is None:
+        return
+    for p in [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]:
+        p.cpu_affinity([core])
+
+
+def _stream(url: str, body: dict) -> tuple[float, float | None]:
+    """(TTFT, gap to the next text chunk) of one streamed completion, seconds."""
+    t0 = time.perf_counter()
+    first = second = None
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                      timeout=300) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or []
+            if not any(c.get("text") for c in choices):
+                continue
+            now = time.perf_counter()
+            if first is None:
+                first = now
+            elif second is None:
+                second = now
+    assert first is not None, "no token"
+    return first - t0, None if second is None else second - first
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=".models/bench-llama")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[128, 1024])
+    ap.add_argument("--pin", action="store_true", help="P on core 0, D on core 1")
+    ap.add_argument("--out", default="bench/results/first_token.json")
+    a = ap.parse_args()
+    env = {"OMP_NUM_THREADS": "1"}
+    p = _role("prefill", a.model, "P0", env)
+    d = _role("decode", a.model, "D0", env)
+    procs = [p, d]
+    try:
+        for s in procs:
+            s.wait_healthy(300)
+        _pin(p, 0 if a.pin else None)
+        _pin(d, 1 if a.pin else None)
+        port = free_port()
+        proxy = ServerProcess([sys.executable, "-m", "proxy", "--host", "127.0.0.1", "--port",
+                               str(port), "--mode", "push", "--prefill", p.url, "--decode",
+                               d.url, "--log-level", "warning"], "127.0.0.1", port,
+                              {**os.environ, **env}, None)
+        procs.append(proxy)
+        proxy.wait_healthy(60)
+        rng = random.Random(28)
+        results: dict = {}
+        for n in a.lengths:
+            rows: dict[str, list] = {m: [] for m in MODES}
+            for i in range(a.rounds + 1):  # round 0 warms every path up
+                for mode in MODES:
+                    body = {"model": "m", "prompt": [rng.randrange(4, 8000) for _ in range(n)],
+                            "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+                    if mode == "recompute":
+                        body["kv_transfer_params"] = {"first_token": False}
+                    url = p.url if mode == "colocated" else proxy.url
+                    ttft, gap = _stream(url, body)
+                    if i:
+                        rows[mode].append((ttft, gap))
+            med = {m: statistics.median(t for t, _ in rows[m]) for m in MODES}
+            gaps = {m: statistics.median(g for _, g in rows[m] if g is not None) for m in MODES}
+            paired = {m: statistics.median(rows[m][k][0] - rows["colocated"][k][0]
+                                           for k in range(a.rounds)) for m in MODES[1:]}
+            results[str(n)] = {
+                "median_ttft_ms": {m: round(v * 1e3, 2) for m, v in med.items()},
+                "paired_minus_colocated_ms": {m: round(v * 1e3, 2) for m, v in paired.items()},
+                "ttft_ratio_to_colocated": {m: round(med[m] / med["colocated"], 4)
+                                            for m in MODES[1:]},
+                "token1_to_token2_ms": {m: round(v * 1e3, 2) for m, v in gaps.items()},
+            }
+            print(n, json.dumps(results[str(n)]), flush=True)
+        seeded = sum(float(ln.rsplit(" ", 1)[1]) for ln in
+                     httpx.get(f"{d.url}/metrics").text.splitlines()
+                     if ln.startswith("pdserve:kv_first_token_seeded_total"))
+        cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        model_name = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines()
+                           if ln.startswith("Model name")), platform.processor())
+        out = {"model": a.model, "pinned": a.pin, "rounds": a.rounds, "cpu": model_name,
+               "loadavg_at_end": os.getloadavg(), "d_seeded_total": seeded,
+               "results": results}
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+        print(json.dumps(out, indent=1))
+    finally:
+        for s in reversed(procs):
+            s.stop()
+
+
+if __name__ == "__main__":
+    main()
