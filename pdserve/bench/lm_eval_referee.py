@@ -82,7 +82,7 @@ def referee(model_dir: str, url: str, served_name: str, items: int,
             tokenizer = os.path.join(folder, "tokenizer")
             AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf_file).save_pretrained(
                 tokenizer)
-            hf_args += f",gguf_file={gguf_file},tokenizer={tokenizer},add_bos_token=True"
+            hf_args += f",gguf_file={gguf_file},tokenizer={tokenizer}"
         hf_acc, hf_lls = evaluate("hf", hf_args, folder)
         ours_acc, ours_lls = evaluate(
             "local-completions",
