@@ -508,8 +508,11 @@ def test_health_check_takes_a_dead_decode_out_and_puts_it_back(cluster: Cluster)
 
 
 def test_connection_error_takes_decode_out_at_once(cluster: Cluster) -> None:
+    """Without retries the client gets the 502 naming the backend; either way the refusing
+    decode leaves rotation at once."""
     p, d1, d2 = cluster.fake("p"), cluster.fake("d1"), cluster.fake("d2")
-    proxy = cluster.proxy([p], [d1, d2], health_interval=60)  # only the failure can tell
+    proxy = cluster.proxy([p], [d1, d2], health_interval=60,  # only the failure can tell
+                          retries=0)
     d2.server.stop()
     statuses = [post(proxy, BODY) for _ in range(2)]
     failed = [r for r in statuses if r.status_code != 200]
@@ -519,6 +522,18 @@ def test_connection_error_takes_decode_out_at_once(cluster: Cluster) -> None:
     assert not proxy.healthy(d2.url)
     assert all(post(proxy, BODY).status_code == 200 for _ in range(3))
     assert len(d1.legs) == 4
+
+
+def test_a_refused_decode_is_retried_on_another_pair_before_the_client_sees_it(
+        cluster: Cluster) -> None:
+    p, d1, d2 = cluster.fake("p"), cluster.fake("d1"), cluster.fake("d2")
+    proxy = cluster.proxy([p], [d1, d2], health_interval=60)  # retries: the default
+    d2.server.stop()
+    assert all(post(proxy, BODY).status_code == 200 for _ in range(4))
+    assert not proxy.healthy(d2.url) and len(d1.legs) == 4
+    m = proxy.metrics()
+    assert 'pdserve:proxy_retries_total{reason=' in m and 'role="decode"' in m, [
+        ln for ln in m.splitlines() if "retr" in ln or "failure" in ln]
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
@@ -575,7 +590,8 @@ def test_data_parallel_prefill_legs_name_the_rank(cluster: Cluster, mode: str) -
     side channel; a rank that fails is re-read as dead and gets no more legs."""
     p, d = cluster.fake("p"), cluster.fake("d")
     p.dp_size = 2
-    proxy = cluster.proxy([p], [d], mode=mode, health_interval=60)
+    # no retries: the failed rank-1 leg falls to the P-failure policy (D recomputes) at once
+    proxy = cluster.proxy([p], [d], mode=mode, health_interval=60, retries=0)
     for _ in range(4):
         assert post(proxy, BODY).status_code == 200
     wait_until(lambda: len(p.legs) == 4, what="four prefill legs")
@@ -622,7 +638,7 @@ def test_prefill_without_ranks_gets_no_rank_pinned(cluster: Cluster) -> None:
 def test_prefill_failure_under_recompute_lets_decode_answer(cluster: Cluster) -> None:
     p, d = cluster.fake("p"), cluster.fake("d")
     p.behaviour, d.delay = "error500", 0.3
-    proxy = cluster.proxy([p], [d])
+    proxy = cluster.proxy([p], [d], retries=0)  # the policy after the last try, at once
     resp = post(proxy, BODY)
     assert resp.status_code == 200 and resp.json()["choices"][0]["text"].startswith("tok0")
     assert d.legs[0].outcome == "completed"
@@ -632,7 +648,8 @@ def test_prefill_failure_under_recompute_lets_decode_answer(cluster: Cluster) ->
 
 def test_prefill_connection_error_takes_it_out_and_decode_recomputes(cluster: Cluster) -> None:
     p1, p2, d = cluster.fake("p1"), cluster.fake("p2"), cluster.fake("d")
-    proxy = cluster.proxy([p1, p2], [d], health_interval=60)  # only the failure can tell
+    proxy = cluster.proxy([p1, p2], [d], health_interval=60,  # only the failure can tell
+                          retries=0)  # the failed leg falls to the recompute policy at once
     for _ in range(2):  # both P's coordinates are cached now
         assert post(proxy, BODY).status_code == 200
     # push sends both legs at once: D may answer before a P leg lands, so wait on the legs
@@ -929,7 +946,7 @@ def test_prefill_leg_body_cuts_the_request_down_without_touching_it() -> None:
     leg = prefill_leg_body(body, CHAT, push_prefill_params("t1"))
     assert body == original
     assert leg == {"model": MODEL, "messages": [], "max_tokens": 1, "max_completion_tokens": 1,
-                   "stream": False, "n": 1,
+                   "stream": False, "n": 1, "min_tokens": 1,  # P samples token 1 as D would
                    "kv_transfer_params": {"do_remote_decode": True, "transfer_id": "t1"}}
     assert "kv_transfer_params" not in decode_leg_body(body, None)
     assert pull_decode_params({"kv_transfer_params": {"remote_block_ids": [1]}}) == {
