@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ class Backend:
     # a decode backend's load as its last health poll read it (/metrics); None: unknown
     free_kv_blocks: int | None = None
     running_requests: int | None = None
+    load_read_at: float = float("-inf")  # monotonic time of that read
     # data-parallel prefill servers: outstanding legs per rank, and where ties start
     rank_outstanding: dict[int, int] = field(default_factory=dict)
     rank_cursor: int = 0
@@ -205,6 +207,9 @@ class BackendPool:
 
 
 _LOAD_GAUGES = {"pdserve:num_free_kv_blocks": 0, "pdserve:num_requests_running": 1}
+# A decode backend's /metrics costs it a render and a stats round-trip to its engine core:
+# read at most this often, whatever the health interval (an idle D stays idle)
+LOAD_POLL_INTERVAL_S = 5.0
 
 
 def parse_load(text: str) -> tuple[int | None, int | None]:
@@ -283,6 +288,10 @@ class HealthMonitor:
     async def _poll_load(self, backend: Backend, healthy: bool) -> None:
         """A decode backend's free KV blocks and running requests (its /metrics gauges, no
         engine round-trip), for the kv-aware policy; unknown (None) when unreadable."""
+        now = time.monotonic()
+        if healthy and now - backend.load_read_at < LOAD_POLL_INTERVAL_S:
+            return  # the last read stands
+        backend.load_read_at = now
         load: tuple[int | None, int | None] = (None, None)
         if healthy:
             try:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from engine.kv_events import BlockStored
-from proxy.backends import Backend, BackendPool, HealthMonitor
+from proxy.backends import LOAD_POLL_INTERVAL_S, Backend, BackendPool, HealthMonitor
 from proxy.metrics import ProxyMetrics
 from proxy.prefix_index import PrefixIndex, chain_hashes
 from proxy.routing import KVAware, LeastOutstanding, RequestView
@@ -133,6 +133,9 @@ def test_the_health_poll_reads_each_d_free_kv_blocks_and_running_requests():
         assert (d.free_kv_blocks, d.running_requests, d.healthy) == (12, 2, True)
         assert sorted(_Engine.hits) == ["/health", "/health", "/metrics"]  # D's only
         assert prefill.backends[0].free_kv_blocks is None
+        asyncio.run(poll("pdserve:num_free_kv_blocks{engine=\"0\"} 1.0\n"))
+        assert d.free_kv_blocks == 12 and _Engine.hits.count("/metrics") == 1  # not yet due
+        d.load_read_at -= LOAD_POLL_INTERVAL_S  # the next poll is due
         asyncio.run(poll("pdserve:num_free_kv_blocks{engine=\"0\"} nan\n"))  # malformed
         assert (d.free_kv_blocks, d.running_requests, d.healthy) == (None, None, True)
     finally:
