@@ -252,6 +252,8 @@ class Scheduler:
         """Admit a request holding no blocks: prefix lookup, connector, allocation."""
         kv = self.kv_cache_manager
         hit_blocks, num_local = kv.get_computed_blocks(req)
+        if req.num_cached_tokens < 0:  # usage's cached_tokens: this engine's prefix-cache hit
+            req.num_cached_tokens = num_local  # only, never KV received from another engine
         num_external, load_async = 0, False
         if self.connector is not None:
             num_external, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
@@ -290,8 +292,6 @@ class Scheduler:
         return _ADMITTED
 
     def _start_running(self, req: Request, num_new: int, plan: _StepPlan) -> None:
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = req.num_computed_tokens
         if req.first_scheduled_time is None:
             req.first_scheduled_time = self.clock()
         req.status = RequestStatus.RUNNING

@@ -98,7 +98,9 @@ def test_prefill_at_dp2(tiny_model, reference, mode, tmp_path):  # noqa: F811
         assert [(r["engine_id"], r["alive"]) for r in ranks] == [("P0_dp0", True),
                                                                 ("P0_dp1", True)]
         assert ranks[1]["kv_port"] == ranks[0]["kv_port"] + 1
-        proxies = [start_proxy([p.url], [d.url], mode) for d in decodes]
+        # --retries 0: a leg pinned to a dead rank falls to the P-failure policy (D recomputes)
+        # at once, which is what this test follows; a retry on another pair is test_proxy's
+        proxies = [start_proxy([p.url], [d.url], mode, "--retries", "0") for d in decodes]
         procs += proxies
         for proxy in proxies:  # each proxy alternates P's ranks: both pair with both D's
             assert _complete(proxy.url, PROMPTS) == reference

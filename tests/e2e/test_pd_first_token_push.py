@@ -21,6 +21,8 @@ from first_token_kit import (
 )
 from pd_harness import assert_no_leaks, deployment, metric, wait_until
 
+from proxy.backends import LOAD_POLL_INTERVAL_S
+
 
 @pytest.fixture(scope="module")
 def pd(tiny_model: str):
@@ -83,8 +85,11 @@ def test_d_waiting_for_kv_does_not_poll(pd):
                 "remote_host": info["kv_host"], "remote_port": info["kv_port"],
                 "tp_size": info.get("tp_size", 1)}
     procs = [psutil.Process(pd.d.pid), *psutil.Process(pd.d.pid).children(recursive=True)]
+    # the measurement windows themselves, not waits for a state; each spans one period of the
+    # proxy's load poll of D (/metrics: a render and a stats round-trip), so both hold one
+    window = LOAD_POLL_INTERVAL_S
     start, t0 = _cpu(procs), time.monotonic()
-    time.sleep(3.0)  # the measurement window itself, not a wait for a state
+    time.sleep(window)
     idle = (_cpu(procs) - start) / (time.monotonic() - t0)
     sent = metric(pd.d, "pdserve:kv_push_registrations_sent_total")
 
@@ -100,7 +105,7 @@ def test_d_waiting_for_kv_does_not_poll(pd):
     wait_until(lambda: metric(pd.d, "pdserve:kv_push_registrations_sent_total") >= sent + 4,
                timeout=30, what="four registrations sent")
     start, t0 = _cpu(procs), time.monotonic()
-    time.sleep(3.0)
+    time.sleep(window)
     waiting = (_cpu(procs) - start) / (time.monotonic() - t0)
     assert waiting - idle <= 0.02, f"D used {waiting:.1%} of a core waiting, {idle:.1%} idle"
     for t in legs:

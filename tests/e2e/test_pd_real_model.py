@@ -4,10 +4,11 @@
 layer's KV for 3 KV heads, D decodes from it and answers exactly as the colocated engine does,
 in float32 and in bfloat16 (bf16 KV on the wire). One deployment per dtype, loaded once.
 
-In bfloat16 a matmul's rounding depends on how many rows it multiplies: colocated computes the
-last prompt token inside the prompt's prefill, D computes it alone (or beside other decodes).
+In bfloat16 a matmul's rounding depends on how many rows it multiplies, and every decode step
+on D runs beside other requests than colocated's does (D also starts from P's sampled token).
 So bf16 answers are equal, or part at a near-tie: at the first differing token both candidates
-are within BF16_TIE_MARGIN of each other in the colocated engine's own logprobs.
+are within BF16_TIE_MARGIN of each other in the colocated engine's own logprobs. How many of
+the answers part is the batch's luck, not a property: each parting is judged, none is counted.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from engine.protocol import StructuredOutput
 
 MAX_TOKENS = 32
 BF16_TIE_MARGIN = 0.25  # two bf16 steps at |logit| 16..32
-BF16_MIN_IDENTICAL = 3
 REMOTE_TOKENS = "pdserve:kv_remote_prefill_tokens_total"
 QUESTIONS = [
     "What is the capital of France?", "Why is the sky blue?", "Write a haiku about the sea.",
@@ -98,7 +98,6 @@ def _assert_equal_or_near_tie(got: list[tuple[str, list[str]]], want, tokenizer)
         assert 0 <= gap <= BF16_TIE_MARGIN, f"prompt {i} token {k}: gap {gap}"
     print(f"bf16 P/D vs colocated: {identical}/{len(got)} identical; (prompt, token, gap) "
           f"{parts}")
-    assert identical >= BF16_MIN_IDENTICAL, parts
 
 
 def test_push_on_real_gqa_model_equals_colocated_and_moves_every_layer(pd, colocated, dtype):
