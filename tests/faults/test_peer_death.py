@@ -37,7 +37,9 @@ def dep(tiny_model: str):
     with cluster(tiny_model, name="death", d_extras=[{}, {}],
                  extra={"kv_lease_duration": LEASE, "push_registration_timeout": TTL},
                  p_extra={"fault_injection": {"delay_notif": {"COMPLETION": 0.5}}},
-                 proxy_args=("--request-timeout", "60")) as d:
+                 # --retries 0: no retry or stream migration, so the failure path is what
+                 # these tests follow (migration: tests/faults/test_stream_migration.py)
+                 proxy_args=("--request-timeout", "60", "--retries", "0")) as d:
         yield d
 
 
