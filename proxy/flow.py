@@ -122,15 +122,19 @@ class Dispatcher:
         route, view = self._route(ctx)
         if route.alone:
             return await self._run_decode_alone(ctx, route, view)
+        d_lease = self.router.take_decode(route)  # before any await (routing.take_decode)
+        if d_lease is None:
+            raise self._no_healthy(ctx, self.decode)
         try:
             p_lease, coords = await self._choose_prefill_with_info(ctx, route, view)
         except ProxyError as error:
+            d_lease.release()
             return await self._decode_alone(ctx, error)
+        except BaseException:
+            d_lease.release()
+            raise
         coords = pin_prefill_rank(p_lease, coords)
-        d_lease = self.router.lease_decode(route, view, p_lease)
-        if d_lease is None:
-            p_lease.release()
-            raise self._no_healthy(ctx, self.decode)
+        self.router.account_decode(view, d_lease, p_lease)
         transfer_id = new_id()
         logger.debug("request %s: push transfer %s P=%s D=%s",
                      ctx.request_id, transfer_id, p_lease.url, d_lease.url)

@@ -225,16 +225,25 @@ class Router:
         return None
 
     def lease_decode(self, route: Route, view: RequestView, prefill: Lease | None) -> Lease | None:
-        b = route.decode if route.decode.healthy else None
-        lease = self.decode.lease(b) if b is not None else self.decode.choose()
+        lease = self.take_decode(route)
         if lease is not None:
-            if prefill is None and view.tokens is not None:  # D alone computes what it lacks
-                self.metrics.computed.labels(url=lease.url, role="decode").inc(
-                    view.uncached(lease.backend))
-            self._count(lease.backend, "decode", view)
-            self.metrics.pairs.labels(prefill=prefill.url if prefill else "",
-                                      decode=lease.url).inc()
+            self.account_decode(view, lease, prefill)
         return lease
+
+    def take_decode(self, route: Route) -> Lease | None:
+        """The route's D, leased now: a flow leases it before it awaits anything, so requests
+        arriving together see each other's leases and spread over the decode backends."""
+        b = route.decode if route.decode.healthy else None
+        return self.decode.lease(b) if b is not None else self.decode.choose()
+
+    def account_decode(self, view: RequestView, lease: Lease, prefill: Lease | None) -> None:
+        """The metrics of a D leased with `take_decode`, once its pair is known."""
+        if prefill is None and view.tokens is not None:  # D alone computes what it lacks
+            self.metrics.computed.labels(url=lease.url, role="decode").inc(
+                view.uncached(lease.backend))
+        self._count(lease.backend, "decode", view)
+        self.metrics.pairs.labels(prefill=prefill.url if prefill else "",
+                                  decode=lease.url).inc()
 
     def _count(self, b: Backend, role: str, view: RequestView) -> None:
         if view.tokens is None:
