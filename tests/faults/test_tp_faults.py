@@ -54,7 +54,9 @@ def _kill_p_rank1_mid_transfer(tiny_model: str, reference, name: str,
     answered right, and D must have every block back."""
     with cluster(tiny_model, num_blocks=NUM_BLOCKS, name=name,
                  p_extra={"fault_injection": {"delay_notif": {"COMPLETION": 60.0}}},
-                 p_args=TP2, d_args=[d_args], proxy_args=("--request-timeout", "120")) as dep:
+                 p_args=TP2, d_args=[d_args],
+                 # --retries 0: D's own recovery from P's death is what this test follows
+                 proxy_args=("--request-timeout", "120", "--retries", "0")) as dep:
         d = dep.d
         ps = prompts(4, seed=601, lo=100, hi=200)
         rank1 = psutil.Process(engine_stats(dep.p)["tp_worker_pids"][1])
