@@ -23,7 +23,9 @@ def test_5xx_answers_never_take_a_backend_that_passes_its_health_check_out(
         cluster: Cluster) -> None:
     p, d = cluster.fake("p"), cluster.fake("d")
     p.behaviour = d.behaviour = "error500"
-    proxy = cluster.proxy([p], [d], health_interval=60)  # only the failures could tell
+    d.delay = 0.3  # D's 500 comes after P's is recorded (a failed D cancels P's leg)
+    proxy = cluster.proxy([p], [d], health_interval=60,  # only the failures could tell
+                          retries=0)  # each failure reaches the client: counted once
     for _ in range(5):
         assert post(proxy, BODY).status_code == 502
     assert proxy.healthy(p.url) and proxy.healthy(d.url)
@@ -40,7 +42,7 @@ def test_5xx_answers_never_take_a_backend_that_passes_its_health_check_out(
 def test_a_failing_leg_to_a_backend_failing_its_health_check_takes_it_out_at_once(
         cluster: Cluster) -> None:
     p, d1, d2 = cluster.fake("p"), cluster.fake("d1"), cluster.fake("d2")
-    proxy = cluster.proxy([p], [d1, d2], health_interval=60)
+    proxy = cluster.proxy([p], [d1, d2], health_interval=60, retries=0)  # no retry: 502
     d2.behaviour, d2.health_status = "error500", 503
     failed = [post(proxy, BODY).status_code for _ in range(2)]
     assert sorted(failed) == [200, 502]  # round robin: one leg went to d2
