@@ -192,25 +192,8 @@ class ProxyState:
 
     async def _models_from_decode(self, request: Request, request_id: str) -> Response:
         assert self.control is not None, "proxy not started"
-        headers = self.leg_headers(request, new_id())
-        errors = []
-        for backend in sorted(self.decode.healthy(), key=lambda b: b.outstanding):
-            try:
-                resp = await self.control.get(backend.url + "/v1/models", headers=headers)
-            except httpx.HTTPError as exc:
-                self.decode.record_failure(backend, "connection",
-                                           unreachable=isinstance(exc, httpx.ConnectError))
-                errors.append(f"{backend.url}: {type(exc).__name__}: {exc}")
-                continue
-            if resp.status_code >= 500:
-                errors.append(f"{backend.url}: answered {resp.status_code}")
-                continue
-            return Response(resp.content, status_code=resp.status_code,
-                            media_type=resp.headers.get("content-type", "application/json"),
-                            headers={"x-request-id": request_id})
-        detail = "; ".join(errors) or "none in rotation"
-        raise ProxyError(503, f"request {request_id}: no healthy decode backend ({detail})",
-                         code="no_healthy_decode")
+        return await from_decode(self.control, self.decode, self.leg_headers(request, new_id()),
+                                 request_id, "/v1/models", None)
 
     def health_report(self, request: Request) -> JSONResponse:
         """200 while both roles have a backend in rotation, else 503. The backends (URLs,
