@@ -8,9 +8,17 @@ import the connector modules, and with them NIXL, only when called).
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from engine.connector_api import ConnectorConfig, ConnectorSpec
+from engine.connector_api import (
+    ConnectorConfig,
+    ConnectorSpec,
+    KVCacheSpec,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    KVParamsValidator,
+)
 from kvconnector.endpoint import side_channel_port
 from kvconnector.params import DECODE_FLAG, PREFILL_FLAG
 
@@ -64,6 +72,21 @@ class NixlSpec(ConnectorSpec):
 
     counters = COUNTERS
     summaries = SUMMARIES
+    package = ""  # the mode's package: its `params` (admission check) and `connector` (halves)
+
+    def params_validator(self, config: ConnectorConfig) -> KVParamsValidator | None:
+        module = importlib.import_module(f"{self.package}.params")  # light: no NIXL
+        return module.request_params_validator(config)
+
+    def make_scheduler(self, config: ConnectorConfig, cache: KVCacheSpec
+                       ) -> KVConnectorScheduler:
+        module = importlib.import_module(f"{self.package}.connector")
+        return module.make_scheduler(config, cache)
+
+    def make_worker(self, config: ConnectorConfig, cache: KVCacheSpec, tp_rank: int
+                    ) -> KVConnectorWorker:
+        module = importlib.import_module(f"{self.package}.connector")
+        return module.make_worker(config, cache, tp_rank)
 
     def side_channel_port(self, base: int, dp_rank: int, tp_rank: int, tp_size: int) -> int:
         return side_channel_port(base, dp_rank, tp_rank, tp_size)
