@@ -23,6 +23,7 @@ from typing import Any
 
 from engine.protocol import StructuredOutput
 from engine.server.errors import APIError
+from engine.server.json_scan import elements, members, skip_ws, value_end
 
 PARSERS = ("hermes", "llama3_json")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -70,20 +71,113 @@ class ToolPlan:
         return self.mode in ("required", "named") or (self.mode == "auto" and bool(self.parser))
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a finished answer. Text that is not a call stays content."""
+        """(content, calls) of a finished answer. Text that is not a call stays content.
+        A call's arguments are the answer's own text of them (as streamed, see ToolStream)."""
         if self.mode == "named":
             return None, [ToolCall(self.named or "", text)]
         if self.mode == "required":
             try:
                 items = json.loads(text)
-                return None, [ToolCall(i["name"], json.dumps(i["parameters"])) for i in items]
+                ok = isinstance(items, list) and all(
+                    isinstance(i["name"], str) and "parameters" in i for i in items)
             except (ValueError, TypeError, KeyError):  # cut short by max_tokens
-                return text, []
+                ok = False
+            calls = _finished(self.begun(text)) if ok else None
+            return (None, calls) if calls and len(calls) == len(items) else (text, [])
         if self.parser == "hermes":
-            return _parse_hermes(text)
+            return _parse_hermes(text, self.begun(text))
         if self.parser == "llama3_json":
-            return _parse_llama3(text)
+            return _parse_llama3(text, self.begun(text))
         return text, []
+
+    def begun(self, text: str) -> list[Begun]:
+        """The calls an answer has begun so far, in order (the text may still grow)."""
+        if self.mode == "named":
+            return [Begun(self.named, text, False)]
+        if self.mode == "required":
+            i = skip_ws(text, 0)
+            starts = elements(text, i) if text[i:i + 1] == "[" else []
+            return _begun_list(text, starts, "parameters")
+        starts = []
+        if self.parser == "hermes":
+            pos = 0
+            while (k := text.find("<tool_call>", pos)) >= 0:
+                starts.append(skip_ws(text, k + len("<tool_call>")))
+                end = value_end(text, starts[-1])
+                if end is None:
+                    break
+                pos = end
+            return _begun_list(text, starts, "arguments")
+        if self.parser == "llama3_json":
+            i = skip_ws(text, 0)
+            if text.startswith("<|python_tag|>", i):
+                i = skip_ws(text, i + len("<|python_tag|>"))
+            while text[i:i + 1] == "{":
+                starts.append(i)
+                end = value_end(text, i)
+                if end is None:
+                    break
+                i = end
+                while i < len(text) and text[i] in "; \n\t":
+                    i += 1
+            return _begun_list(text, starts, "parameters")
+        return []
+
+
+@dataclass(frozen=True)
+class Begun:
+    """A call as far as the answer's text goes: its name once the name's string is closed,
+    its arguments' text so far (an object or array grows; a scalar comes whole), and
+    whether the arguments are complete."""
+
+    name: str | None
+    arguments: str
+    done: bool
+
+
+def _begun_at(text: str, start: int, key: str) -> Begun | None:
+    if text[start:start + 1] != "{":
+        return None
+    found = members(text, start)
+    name = None
+    if "name" in found and found["name"][1] is not None:
+        a, b = found["name"]
+        try:
+            value = json.loads(text[a:b])
+        except ValueError:
+            value = None
+        name = value if isinstance(value, str) else None
+    span = found.get(key, found.get("arguments"))
+    if span is None:
+        return Begun(name, "", False)
+    a, b = span
+    if text[a] in "{[":
+        return Begun(name, text[a:len(text) if b is None else b], b is not None)
+    if b is None:
+        return Begun(name, "", False)
+    try:
+        value = json.loads(text[a:b])
+    except ValueError:
+        return Begun(name, "", False)
+    return Begun(name, value if isinstance(value, str) else text[a:b], True)
+
+
+def _begun_list(text: str, starts: list[int], key: str) -> list[Begun]:
+    out = []
+    for start in starts:
+        b = _begun_at(text, start, key)
+        if b is None:
+            break
+        out.append(b)
+    return out
+
+
+def _finished(begun: list[Begun]) -> list[ToolCall] | None:
+    """The calls of a finished answer (a call without arguments has {}); None if one has no
+    name."""
+    if any(b.name is None for b in begun):
+        return None
+    return [ToolCall(b.name or "", b.arguments if b.done else "{}") for b in begun]
 
 
 def _parameters(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]:
@@ -94,34 +188,32 @@ def _parameters(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]
                    param="tool_choice")
 
 
-def _call(obj: Any, args_key: str) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get(args_key, obj.get("arguments", {}))
-    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
+def _named(obj: Any) -> bool:
+    return isinstance(obj, dict) and isinstance(obj.get("name"), str)
 
 
-def _parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
+def _parse_hermes(text: str, begun: list[Begun]) -> tuple[str | None, list[ToolCall]]:
     if "<tool_call>" not in text:
         return text, []
-    calls = []
-    for block in _HERMES.findall(text):
+    blocks = _HERMES.findall(text)
+    for block in blocks:
         try:
-            call = _call(json.loads(block), "arguments")
+            if not _named(json.loads(block)):
+                return text, []
         except ValueError:
-            call = None
-        if call is None:
             return text, []  # a malformed block: the text is the answer, unparsed
-        calls.append(call)
+    calls = _finished(begun)
+    if not calls or len(calls) != len(blocks):
+        return text, []
     content = text[:text.index("<tool_call>")].strip()
     return content or None, calls
 
 
-def _parse_llama3(text: str) -> tuple[str | None, list[ToolCall]]:
+def _parse_llama3(text: str, begun: list[Begun]) -> tuple[str | None, list[ToolCall]]:
     body = text.strip().removeprefix("<|python_tag|>").strip()
     if not body.startswith("{"):
         return text, []
-    calls = []
+    count = 0
     decoder = json.JSONDecoder()
     pos = 0
     while pos < len(body):
@@ -129,14 +221,14 @@ def _parse_llama3(text: str) -> tuple[str | None, list[ToolCall]]:
             obj, end = decoder.raw_decode(body, pos)
         except ValueError:
             return text, []
-        call = _call(obj, "parameters")
-        if call is None:
+        if not _named(obj):
             return text, []
-        calls.append(call)
+        count += 1
         pos = end
         while pos < len(body) and body[pos] in "; \n\t":
             pos += 1
-    return None, calls
+    calls = _finished(begun)
+    return (None, calls) if calls and len(calls) == count else (text, [])
 
 
 def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None,
@@ -232,14 +324,17 @@ def answer(plan: ToolPlan | None, text: str, finish_reason: str | None
 
 
 class ToolStream:
-    """Per choice of a streamed answer: content deltas stream as they come until the text may
-    be a call; from there it is held, and at the end sent as OpenAI does — per call, one
-    delta with index, id, type and name (arguments ""), then one with the arguments."""
+    """Per choice of a streamed answer, as OpenAI streams it: content deltas as they come until
+    the text may be a call; then per call one delta with index, id, type and name (arguments
+    "") as soon as the name is generated, and the arguments in fragments as their JSON grows
+    (vLLM's hermes / llama3_json streaming). The fragments join to the arguments of the same
+    answer unstreamed. A call cut short (max_tokens) stays as far as it was streamed."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.text: dict[int, str] = {}
         self.sent: dict[int, int] = {}  # characters already sent as content
+        self.calls: dict[int, list[list[Any]]] = {}  # per choice: [name, arguments sent]
 
     def _streamable(self, text: str) -> int:
         """How much of `text` is surely content (not the start of a call)."""
@@ -258,6 +353,26 @@ class ToolStream:
                 return len(text) - k
         return len(text)
 
+    def _advance(self, index: int, calls: list[tuple[str | None, str]]) -> list[dict[str, Any]]:
+        """Deltas that bring the client's calls up to `calls` (name, arguments so far)."""
+        headed = self.calls.setdefault(index, [])
+        out: list[dict[str, Any]] = []
+        for i, (name, arguments) in enumerate(calls):
+            if name is None:
+                break  # calls head in order
+            if i == len(headed):
+                headed.append([name, ""])
+                out.append({"tool_calls": [{
+                    "index": i, "id": f"call_{secrets.token_hex(12)}", "type": "function",
+                    "function": {"name": name, "arguments": ""}}]})
+            sent = headed[i][1]
+            if headed[i][0] == name and len(arguments) > len(sent) \
+                    and arguments.startswith(sent):
+                out.append({"tool_calls": [{"index": i, "function": {
+                    "arguments": arguments[len(sent):]}}]})
+                headed[i][1] = arguments
+        return out
+
     def deltas(self, index: int, new_text: str, finish_reason: str | None
                ) -> tuple[list[dict[str, Any]], str | None]:
         """(delta messages to send, finish_reason) for a choice's new text."""
@@ -269,17 +384,16 @@ class ToolStream:
             if upto > sent:
                 out.append({"content": text[sent:upto]})
                 self.sent[index] = upto
-            return out, None
+            return out + self._advance(index, [
+                (b.name, b.arguments) for b in self.plan.begun(text)]), None
         content, calls, finish = answer(self.plan, text, finish_reason)
         if not calls:
             rest = text[sent:]
+            if self.calls.get(index):  # cut short inside a call: it stays as streamed
+                return self._advance(index, [
+                    (b.name, b.arguments) for b in self.plan.begun(text)]), finish
             return ([{"content": rest}] if rest else []), finish
         if content and len(content) > sent and content.startswith(text[:sent]):
             out.append({"content": content[sent:]})
-        for i, call in enumerate(calls):
-            fn = call["function"]
-            out.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
-                                        "function": {"name": fn["name"], "arguments": ""}}]})
-            out.append({"tool_calls": [{"index": i,
-                                        "function": {"arguments": fn["arguments"]}}]})
-        return out, finish
+        return out + self._advance(index, [
+            (c["function"]["name"], c["function"]["arguments"]) for c in calls]), finish

@@ -84,3 +84,61 @@ def test_only_the_parsers_we_implement_are_accepted() -> None:
         tool_call_parser(True, "mistral")
     with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
         tool_call_parser(True, None)
+
+
+def _stream(plan, text: str, step: int, finish: str = "stop"):
+    stream = ToolStream(plan)
+    deltas, pieces = [], [text[i:i + step] for i in range(0, len(text), step)]
+    for j, piece in enumerate(pieces):
+        out, _ = stream.deltas(0, piece, finish if j == len(pieces) - 1 else None)
+        deltas.append(out)
+    return deltas
+
+
+REQUIRED = '[{"name": "f", "parameters": {"q": "a \\"}]\\" b", "n": [1, {"m": 2}]}}]'
+NAMED = '{"x": {"y": [1, 2, "}"]}, "z": true}'
+
+
+@pytest.mark.parametrize("choice, parser, text", [
+    ("auto", "hermes", HERMES.replace('{"a": 1}', '{"a": 1, "b": "x}y", "c": [1, 2]}')),
+    ("auto", "llama3_json", LLAMA.replace('{"a": 1}', '{"a": 1, "b": "x}y", "c": [1, 2]}')),
+    ("required", None, REQUIRED),
+    ({"type": "function", "function": {"name": "g"}}, None, NAMED),
+])
+@pytest.mark.parametrize("step", [1, 4])
+def test_tool_call_arguments_stream_as_they_are_generated(choice, parser, text, step) -> None:
+    """OpenAI's shape: per call a first delta with index, id, type, name and arguments "",
+    then argument fragments while the JSON grows; joined, they equal the unstreamed answer's
+    arguments character for character. (The old code sent each call's arguments whole in one
+    delta after the last token.)"""
+    plan = tool_plan(TOOLS, choice, True, parser)
+    _, whole, finish = answer(plan, text, "stop")
+    steps = _stream(plan, text, step)
+    calls: dict[int, list] = {}
+    for n, out in enumerate(steps):
+        for d in out:
+            for c in d.get("tool_calls", []):
+                if c["index"] not in calls:
+                    assert c["id"].startswith("call_") and c["type"] == "function"
+                    assert c["function"]["arguments"] == ""
+                    calls[c["index"]] = [c["function"]["name"], "", []]
+                elif c["function"].get("arguments"):
+                    calls[c["index"]][1] += c["function"]["arguments"]
+                    calls[c["index"]][2].append(n)
+    assert [(n, a) for n, a, _ in calls.values()] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole]
+    first_call_steps = next(iter(calls.values()))[2]
+    assert len(set(first_call_steps)) > 3  # fragments from several steps, not one at the end
+    assert first_call_steps[0] < len(steps) - 1
+
+
+def test_a_call_cut_short_stays_as_streamed_and_plain_text_stays_content() -> None:
+    plan = tool_plan(TOOLS, "required", True, None)
+    steps = _stream(plan, REQUIRED[:40], 1, finish="length")
+    frags = [c["function"].get("arguments", "") for out in steps for d in out
+             for c in d.get("tool_calls", [])]
+    assert "".join(frags) == REQUIRED[REQUIRED.index('{"q"'):40]
+    hermes = tool_plan(TOOLS, "auto", True, "hermes")
+    text = "no call <tool_cal here"
+    content = "".join(d.get("content", "") for out in _stream(hermes, text, 1) for d in out)
+    assert content == text
