@@ -15,6 +15,7 @@ $PDSERVE_ETCD_PASSWORD) turns on etcd's authentication: the client fetches a tok
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -31,6 +32,15 @@ PASSWORD_ENV = "PDSERVE_ETCD_PASSWORD"
 
 class EtcdError(Exception):
     """etcd could not be reached or answered something unusable; the message says which."""
+
+
+class WatchCompacted(EtcdError):
+    """The watch cannot go on from its start revision (compacted, or etcd's store is younger
+    than it: a replaced etcd): read the prefix again."""
+
+
+class WatchSilent(EtcdError):
+    """A live watch sent nothing for its idle bound: watch again to prove the path."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +108,13 @@ class WatchEvent:
     value: bytes  # empty for a delete
 
 
+@dataclass(frozen=True)
+class WatchBatch:
+    events: list[WatchEvent]
+    synced: int  # every change up to this revision has been delivered: watch on from +1
+    head: int  # etcd's revision when it sent the batch
+
+
 class EtcdClient:
     """One connection pool to one etcd. Runs on one event loop; no locks."""
 
@@ -151,45 +168,87 @@ class EtcdClient:
                 [(_unb64(kv.get("key")), _unb64(kv.get("value"))) for kv in kvs
                  if isinstance(kv, dict)])
 
-    async def watch_prefix(self, prefix: bytes, start_revision: int
-                           ) -> AsyncIterator[list[WatchEvent]]:
-        """Batches of changes under `prefix` from `start_revision` on, until the stream
-        breaks (EtcdError) or etcd cancels the watch (EtcdError: the revision was compacted,
-        so the caller must read the prefix again)."""
+    async def watch_prefix(self, prefix: bytes, start_revision: int, *, idle: float
+                           ) -> AsyncIterator[WatchBatch]:
+        """Batches of changes under `prefix` from `start_revision` on. The first batch
+        (empty) says etcd created the watch. Ends with an EtcdError when the stream breaks,
+        when etcd does not answer within the call timeout, when the stream stays silent for
+        `idle` seconds (a frozen etcd or a half-open connection looks exactly like a quiet
+        prefix: the caller watches again from the last `synced` revision, which proves the
+        path live), or when etcd cancels the watch (WatchCompacted: read the prefix again).
+        The watch asks for etcd's progress notifications: an etcd started with
+        --experimental-watch-progress-notify-interval below `idle` keeps the stream alive
+        and advances `synced` on a quiet prefix."""
         body = {"create_request": {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)),
-                                   "start_revision": start_revision}}
-        timeout = httpx.Timeout(self._timeout, read=None)  # a quiet prefix sends nothing
+                                   "start_revision": start_revision, "progress_notify": True}}
+        request = self._http.build_request("POST", "/v3/watch", json=body,
+                                           headers=await self._headers(),
+                                           timeout=httpx.Timeout(self._timeout, read=idle))
+        synced = start_revision - 1
+        resp: httpx.Response | None = None
+        created = False
         try:
-            async with self._http.stream("POST", "/v3/watch", json=body, timeout=timeout,
-                                         headers=await self._headers()) as resp:
-                if resp.status_code != 200:
-                    raise EtcdError(f"etcd {self.target.display}: watch answered "
-                                    f"{resp.status_code}")
-                async for line in resp.aiter_lines():
-                    if line.strip():
-                        yield self._watch_events(line)
+            resp = await asyncio.wait_for(self._http.send(request, stream=True), self._timeout)
+            if resp.status_code != 200:
+                raise EtcdError(f"etcd {self.target.display}: watch answered "
+                                f"{resp.status_code}")
+            lines = resp.aiter_lines()
+            line = await asyncio.wait_for(anext(lines, None), self._timeout)
+            if line is None:
+                raise EtcdError(f"etcd {self.target.display}: watch stream ended at once")
+            first = self._watch_events(line, synced)  # "created", or why not (raised)
+            if first.head < synced:
+                raise WatchCompacted(f"etcd {self.target.display} is at revision {first.head}, "
+                                     f"behind {synced}: its store was replaced")
+            synced, created = first.synced, True
+            yield first
+            async for line in lines:
+                if line.strip():
+                    batch = self._watch_events(line, synced)
+                    synced = batch.synced
+                    yield batch
+        except (asyncio.TimeoutError, httpx.ReadTimeout) as exc:
+            if created:  # a quiet prefix, or a path that died under a live watch
+                raise WatchSilent(f"etcd {self.target.display}: watch silent for {idle:g} s"
+                                  ) from None
+            bound = min(self._timeout, idle) if isinstance(exc, httpx.ReadTimeout) else \
+                self._timeout
+            raise EtcdError(f"etcd {self.target.display}: watch not created within "
+                            f"{bound:g} s") from None
         except httpx.HTTPError as exc:
             raise EtcdError(f"etcd {self.target.display}: watch broke: "
                             f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            if resp is not None:
+                await resp.aclose()
         raise EtcdError(f"etcd {self.target.display}: watch stream ended")
 
-    def _watch_events(self, line: str) -> list[WatchEvent]:
+    def _watch_events(self, line: str, synced: int) -> WatchBatch:
         try:
             msg = json.loads(line)
         except ValueError:
             raise EtcdError(f"etcd {self.target.display}: watch sent non-JSON") from None
+        if not isinstance(msg, dict):
+            raise EtcdError(f"etcd {self.target.display}: watch sent {type(msg).__name__}")
         if "error" in msg:
             raise EtcdError(f"etcd {self.target.display}: watch error {msg['error']}")
         result = msg.get("result") or {}
-        if result.get("canceled") or result.get("compact_revision"):
+        if result.get("compact_revision"):
+            raise WatchCompacted(f"etcd {self.target.display}: watch cancelled (revision "
+                                 f"{synced + 1} compacted)")
+        if result.get("canceled"):
             raise EtcdError(f"etcd {self.target.display}: watch cancelled "
-                            f"({result.get('cancel_reason') or 'compacted'})")
+                            f"({result.get('cancel_reason') or 'no reason given'})")
         events = []
         for ev in result.get("events") or ():
             kv = ev.get("kv") or {}
             events.append(WatchEvent(ev.get("type") == "DELETE", _unb64(kv.get("key")),
                                      _unb64(kv.get("value"))))
-        return events
+            synced = max(synced, _int(kv, "mod_revision"))
+        head = _int(result.get("header") or {}, "revision")
+        if not events and not result.get("created"):  # a progress notification
+            synced = max(synced, head)
+        return WatchBatch(events, synced, head)
 
     # ---- transport --------------------------------------------------------------------------
 

@@ -27,6 +27,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-secret", default=None,
                         help="with --discovery: route only to registrations signed with this "
                         "secret (the engines' KV secret; or PDSERVE_KV_SECRET)")
+    parser.add_argument("--etcd-watch-idle", type=float, default=10.0, metavar="S",
+                        help="with --discovery: a watch on etcd silent this long is created "
+                        "again, so a frozen etcd or a half-open connection is noticed "
+                        "(default: 10)")
     parser.add_argument("--retries", type=int, default=2,
                         help="a request whose P or D fails before the client got a byte is "
                         "sent to another pair, at most this many more times (default: 2)")
@@ -104,6 +108,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         etcd_ca=args.etcd_ca,
         etcd_cert=args.etcd_cert,
         etcd_key=args.etcd_key,
+        etcd_watch_idle=args.etcd_watch_idle,
         registration_secret=args.kv_secret or os.environ.get(SECRET_ENV) or None,
         retries=args.retries,
         routing=args.routing,

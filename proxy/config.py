@@ -78,6 +78,7 @@ class ProxyConfig:
     etcd_ca: str | None = None
     etcd_cert: str | None = None
     etcd_key: str | None = None
+    etcd_watch_idle: float = 10.0  # a watch silent this long is created again
     registration_secret: str | None = None  # verifies signed registrations (the KV secret)
     retries: int = 2  # further pairs a request may try before the client has a byte
     # routing (proxy/routing.py): the policy, its tokenizer, KV event publishers, thresholds
@@ -110,7 +111,8 @@ class ProxyConfig:
             )
         if not 0 <= int(self.port) <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        for name in ("request_timeout", "health_interval", "health_timeout", "connect_timeout"):
+        for name in ("request_timeout", "health_interval", "health_timeout", "connect_timeout",
+                     "etcd_watch_idle"):
             if not float(getattr(self, name)) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("max_body_bytes", "max_connections"):

@@ -9,7 +9,12 @@ admitted engine enters its pool out of rotation and is health-checked at once, s
 requests within one health check of registering; a deleted record (lease lapsed or revoked)
 leaves the pool at once. While etcd is unreachable the pools stay as last seen (health checks
 still take dead engines out of rotation) and the loop retries with backoff; losing etcd and
-getting it back are logged once each, and a reconnect reads the prefix again.
+getting it back are logged once each, and a reconnect watches again from the last revision
+applied (replaying what changed meanwhile; a compacted revision or a replaced etcd makes it
+read the prefix again). A watch is bounded: etcd must create it within the call timeout,
+and one that stays silent for `--etcd-watch-idle` seconds (a quiet prefix, a frozen etcd, a
+half-open connection after a partition) is created again, so a dead path is noticed within
+idle + timeout seconds instead of never.
 Runs on the proxy's event loop; no locks.
 """
 
@@ -21,7 +26,7 @@ import logging
 
 from prometheus_client import Counter, Gauge
 
-from cluster.etcd import EtcdClient, EtcdError, EtcdTarget
+from cluster.etcd import EtcdClient, EtcdError, EtcdTarget, WatchCompacted, WatchSilent
 from cluster.registration import Registration, Rejected, cluster_prefix, decode
 from proxy.backends import DECODE, PREFILL, BackendPool, HealthMonitor
 from proxy.config import ProxyConfig
@@ -36,13 +41,14 @@ _MAX_BACKOFF_S = 2.0
 class Membership:
     def __init__(self, target: EtcdTarget, *, cluster: str, secret: bytes | None,
                  pools: dict[str, BackendPool], health: HealthMonitor,
-                 metrics: ProxyMetrics, timeout: float) -> None:
+                 metrics: ProxyMetrics, timeout: float, watch_idle: float) -> None:
         self.target = target
         self.cluster = cluster
         self._secret = secret
         self._pools = pools
         self._health = health
         self._timeout = timeout
+        self._watch_idle = watch_idle
         self._prefix = cluster_prefix(cluster)
         self.records: dict[bytes, Registration] = {}  # admitted, by etcd key
         self._refused: dict[bytes, bytes] = {}  # key -> the value refused (judged once)
@@ -81,19 +87,31 @@ class Membership:
     async def _run(self) -> None:
         assert self._client is not None
         backoff = 0.05
+        revision = 0  # every change up to it is applied; 0: read the prefix first
         while True:
             try:
-                revision, kvs = await self._client.get_prefix(self._prefix)
-                await self._resync(dict(kvs))
-                self._up()
-                backoff = 0.05
-                async for events in self._client.watch_prefix(self._prefix, revision + 1):
-                    for ev in events:
-                        if ev.deleted:
-                            self._forget(ev.key)
+                if not revision:
+                    revision, kvs = await self._client.get_prefix(self._prefix)
+                    await self._resync(dict(kvs))
+                async for batch in self._client.watch_prefix(self._prefix, revision + 1,
+                                                             idle=self._watch_idle):
+                    self._up()  # the first batch says the watch is live
+                    backoff = 0.05
+                    latest: dict[bytes, bytes | None] = {}  # replays keep each key's last
+                    for ev in batch.events:
+                        latest[ev.key] = None if ev.deleted else ev.value
+                    for key, value in latest.items():
+                        if value is None:
+                            self._forget(key)
                         else:
-                            await self._judge(ev.key, ev.value)
-                    self._sync_pools()
+                            await self._judge(key, value)
+                    if latest:
+                        self._sync_pools()
+                    revision = batch.synced
+            except WatchCompacted:
+                revision = 0
+            except WatchSilent:
+                pass  # a quiet prefix, or a frozen etcd: watching again tells them apart
             except EtcdError as exc:
                 self.etcd_up.set(0)
                 if not self._down:
@@ -108,8 +126,8 @@ class Membership:
         self._synced.set()
         if self._down:
             self._down = False
-            logger.warning("etcd %s answers again: membership re-read (%s)",
-                           self.target.display, self._summary())
+            logger.warning("etcd %s answers again: watching on from the last revision "
+                           "applied (%s)", self.target.display, self._summary())
 
     async def _resync(self, kvs: dict[bytes, bytes]) -> None:
         for key in [k for k in self.records if k not in kvs]:
@@ -180,4 +198,5 @@ def start_membership(config: ProxyConfig, prefill: BackendPool, decode_pool: Bac
     secret = config.registration_secret.encode() if config.registration_secret else None
     return Membership(target, cluster=config.cluster, secret=secret,
                       pools={PREFILL: prefill, DECODE: decode_pool}, health=health,
-                      metrics=metrics, timeout=config.health_timeout)
+                      metrics=metrics, timeout=config.health_timeout,
+                      watch_idle=config.etcd_watch_idle)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
 
 import httpx
+import psutil
 import pytest
 
 from engine.net import free_port
@@ -50,6 +52,26 @@ class EtcdProcess:
             time.sleep(0.05)
         raise TimeoutError("etcd did not become healthy in 30 s")
 
+    def freeze(self) -> None:
+        """SIGSTOP: etcd's sockets stay open (the kernel still accepts connections) but
+        nothing answers - a hung host or a half-open path, as a client sees it."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not all(t.status() == psutil.STATUS_STOPPED  # every thread, not just signalled
+                      for t in map(psutil.Process, self._threads())):
+            if time.monotonic() > deadline:
+                raise TimeoutError("etcd did not stop within 10 s of SIGSTOP")
+            time.sleep(0.005)
+
+    def _threads(self) -> list[int]:
+        assert self.process is not None
+        return [t.id for t in psutil.Process(self.process.pid).threads()]
+
+    def thaw(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
     def kill(self) -> None:
         assert self.process is not None
         self.process.kill()
@@ -57,6 +79,7 @@ class EtcdProcess:
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
+            self.thaw()
             self.kill()
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
@@ -86,3 +109,16 @@ def etcd_keys(etcd: EtcdProcess, prefix: bytes) -> dict[bytes, bytes]:
             await client.aclose()
 
     return asyncio.run(get())
+
+
+def etcd_delete(etcd: EtcdProcess, key: bytes) -> None:
+    from cluster.etcd import EtcdClient, EtcdTarget
+
+    async def delete() -> None:
+        client = EtcdClient(EtcdTarget.parse(etcd.url))
+        try:
+            await client.delete(key)
+        finally:
+            await client.aclose()
+
+    asyncio.run(delete())

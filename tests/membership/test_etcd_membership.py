@@ -23,15 +23,16 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
-from etcd_harness import EtcdProcess, etcd_keys, etcd_put  # noqa: E402
-from pd_harness import TEST_ENV, metric, role_args, start_proxy, wait_until  # noqa: E402
+from etcd_harness import EtcdProcess, etcd_delete, etcd_keys, etcd_put  # noqa: E402
+from pd_harness import TEST_ENV, metric, role_args, wait_until  # noqa: E402
 
-from cluster.registration import Registration, cluster_prefix  # noqa: E402
+from cluster.registration import Registration, cluster_prefix, engine_key  # noqa: E402
 from engine.net import free_port  # noqa: E402
 from pdserve.launcher import ServerProcess, launch_server  # noqa: E402
 
 CLUSTER = "t"
 TTL = 2
+IDLE = 1  # the proxies' --etcd-watch-idle; the call timeout is their --health-timeout, 2 s
 SECRET = "etcd-test-secret-0123456789"
 PREFIX = cluster_prefix(CLUSTER)
 
@@ -53,6 +54,23 @@ class Cluster:
         if wait:
             s.wait_healthy(180)
         return s
+
+
+def start_logged_proxy(log_path: str, *args: str) -> ServerProcess:
+    """pd_harness.start_proxy's proxy, with its log kept (what it logs is asserted)."""
+    port = free_port()
+    proxy = ServerProcess([sys.executable, "-m", "proxy", "--host", "127.0.0.1", "--port",
+                           str(port), "--mode", "push", "--health-interval", "0.5",
+                           "--log-level", "warning", *args],
+                          "127.0.0.1", port, {**os.environ, **TEST_ENV}, log_path)
+    proxy.wait_healthy(60)
+    return proxy
+
+
+def log_lines(proxy: ServerProcess, text: str) -> int:
+    assert proxy.log_path is not None
+    with open(proxy.log_path, errors="replace") as f:
+        return sum(text in line for line in f)
 
 
 def pools(proxy: ServerProcess) -> dict[str, dict[str, bool]]:
@@ -118,7 +136,7 @@ class Load:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model: str) -> Iterator[Cluster]:
+def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     etcd = EtcdProcess()
     c = Cluster(tiny_model, etcd)
     try:
@@ -126,8 +144,10 @@ def cluster(tiny_model: str) -> Iterator[Cluster]:
             c.start_engine(name, wait=False)
         for s in c.engines.values():
             s.wait_healthy(180)
-        args = ("--discovery", etcd.url, "--cluster", CLUSTER, "--kv-secret", SECRET)
-        c.proxies = [start_proxy([], [], "push", *args) for _ in range(2)]
+        args = ("--discovery", etcd.url, "--cluster", CLUSTER, "--kv-secret", SECRET,
+                "--etcd-watch-idle", str(IDLE))
+        logs = tmp_path_factory.mktemp("proxies")
+        c.proxies = [start_logged_proxy(str(logs / f"proxy{i}.log"), *args) for i in range(2)]
         yield c
     finally:
         for s in [*c.proxies, *c.engines.values()]:
@@ -265,6 +285,47 @@ def test_etcd_killed_and_restarted_under_load_fails_no_request(cluster: Cluster)
     for proxy in cluster.proxies:
         seen = pools(proxy)
         assert set(seen["prefill"]) | set(seen["decode"]) == set(live.values()), seen
+
+
+def test_frozen_etcd_is_noticed_logged_once_and_watched_again(cluster: Cluster) -> None:
+    """SIGSTOP etcd under the proxies' watches: the kernel keeps the connections open and
+    nothing arrives, as with a hung host or a half-open path. Each proxy notices within
+    --etcd-watch-idle + its call timeout (etcd_up 0, one log line), routes over the last
+    membership meanwhile, and after SIGCONT watches again and sees a new registration."""
+    up = "pdserve:proxy_discovery_etcd_up"
+    live = {s.url for s in cluster.engines.values()}
+    for proxy in cluster.proxies:
+        wait_until(lambda p=proxy: metric(p, up) == 1, 15, f"{proxy.url} to watch")
+    lost = [log_lines(p, "unreachable (") for p in cluster.proxies]
+    back = [log_lines(p, "answers again") for p in cluster.proxies]
+    cluster.etcd.freeze()
+    try:
+        frozen = time.monotonic()
+        for proxy in cluster.proxies:
+            wait_until(lambda p=proxy: metric(p, up) == 0, IDLE + 2 + 5,
+                       f"{proxy.url} to notice that etcd stopped answering")
+        noticed = time.monotonic() - frozen
+        for proxy in cluster.proxies:
+            for _ in range(3):  # several re-watch attempts fail meanwhile: logged once
+                assert complete(proxy).status_code == 200
+            assert set(pools(proxy)["prefill"]) | set(pools(proxy)["decode"]) == live
+    finally:
+        cluster.etcd.thaw()
+    for proxy in cluster.proxies:
+        wait_until(lambda p=proxy: metric(p, up) == 1, 15, f"{proxy.url} to watch again")
+    key = engine_key(CLUSTER, 0xA1F7E5)  # a lease id no engine holds
+    new = Registration(CLUSTER, "decode", f"http://127.0.0.1:{free_port()}", "m", None)
+    etcd_put(cluster.etcd, key, new.encode(key, SECRET.encode()))
+    for proxy in cluster.proxies:
+        wait_until(lambda p=proxy: new.url in pools(p)["decode"], 5,
+                   f"{proxy.url} to see the engine registered after SIGCONT")
+    etcd_delete(cluster.etcd, key)
+    for proxy in cluster.proxies:  # leases lapsed while etcd slept: the engines re-register
+        wait_until(lambda p=proxy: healthy(p, "prefill") | healthy(p, "decode") == live and
+                   new.url not in pools(p)["decode"], 2 * TTL + 5, f"{proxy.url} to converge")
+    print(f"\netcd frozen: both proxies noticed after {noticed:.3f} s (idle {IDLE} s)")
+    assert [log_lines(p, "unreachable (") for p in cluster.proxies] == [n + 1 for n in lost]
+    assert [log_lines(p, "answers again") for p in cluster.proxies] == [n + 1 for n in back]
 
 
 def test_sigterm_deregisters_before_the_lease_lapses(cluster: Cluster) -> None:
