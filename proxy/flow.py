@@ -26,6 +26,8 @@ from starlette.responses import Response
 from proxy.backends import BackendPool, Lease
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError
+from proxy.handover import Handover
+from proxy.handover_leg import HandoverLeg, run_prefill_stream
 from proxy.kv_info import KVInfoCache, KVInfoError, PrefillCoordinates
 from proxy.legs import (
     CHAT,
@@ -98,6 +100,7 @@ class Dispatcher:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.retry = RetryPolicy(config.retries, metrics)
         self.migrator = Migrator(self)
+        self.handover = Handover(self)  # P's first token to the client (proxy/handover.py)
 
     # ---- entry ------------------------------------------------------------------------------
 
@@ -141,8 +144,12 @@ class Dispatcher:
         p_body = prefill_leg_body(ctx.body, ctx.route, push_prefill_params(transfer_id),
                                   p_lease.rank)
         d_body = decode_leg_body(ctx.body, push_decode_params(coords, transfer_id))
-        prefill = self._spawn_prefill(ctx, p_lease, p_body)
+        leg = self.handover.leg(ctx)
+        prefill = self._spawn_prefill(ctx, p_lease, p_body, leg)
         opening = self._spawn_decode(ctx, d_lease, d_body)
+        answer = await self.handover.first(ctx, leg, prefill, opening, d_lease)
+        if answer is not None:
+            return answer
         stream = await self._await_decode(ctx, opening, prefill, d_lease.url)
         return self._relay(ctx, stream, prefill)
 
@@ -177,7 +184,8 @@ class Dispatcher:
         if coords is not None:  # P's answer names the rank's side channel itself
             pin_prefill_rank(p_lease, coords)
         p_body = prefill_leg_body(ctx.body, ctx.route, pull_prefill_params(), p_lease.rank)
-        prefill = self._spawn_prefill(ctx, p_lease, p_body)
+        leg = self.handover.leg(ctx)
+        prefill = self._spawn_prefill(ctx, p_lease, p_body, leg)
         await self._wait(ctx, {prefill}, on_give_up=[prefill],
                          what=f"prefill backend {p_lease.url}")
         result = prefill.result()
@@ -195,6 +203,10 @@ class Dispatcher:
             raise self._no_healthy(ctx, self.decode)
         d_body = decode_leg_body(ctx.body, kv_params)
         opening = self._spawn_decode(ctx, d_lease, d_body)
+        # P's answer alone when its token ends the request, else P's token first
+        answer = self.handover.after_prefill(ctx, result, leg, opening, d_lease)
+        if answer is not None:
+            return answer
         stream = await self._await_decode(ctx, opening, None, d_lease.url)
         return self._relay(ctx, stream, None)
 
@@ -354,10 +366,12 @@ class Dispatcher:
                              code="timeout")
 
     def _relay(
-        self, ctx: RequestContext, stream: DecodeStream, prefill: asyncio.Task[PrefillResult] | None
+        self, ctx: RequestContext, stream: DecodeStream,
+        prefill: asyncio.Task[PrefillResult] | None, *, migrate: bool = True,
     ) -> RelayResponse:
         ctx.retry_open = False  # from here on the client may have bytes
-        stream = self.migrator.wrap(ctx, stream)  # a D that dies mid-stream is replaced
+        if migrate:  # (a handover stream wraps its D leg itself)
+            stream = self.migrator.wrap(ctx, stream)  # a D that dies mid-stream is replaced
 
         def on_first_byte() -> None:
             self.metrics.ttft.observe(time.monotonic() - ctx.started)
@@ -387,9 +401,16 @@ class Dispatcher:
                           f"({detail})", code=f"no_healthy_{pool.role}")
 
     def _spawn_prefill(
-        self, ctx: RequestContext, lease: Lease, body: dict[str, Any]
+        self, ctx: RequestContext, lease: Lease, body: dict[str, Any],
+        leg: HandoverLeg | None = None,
     ) -> asyncio.Task[PrefillResult]:
-        task = self._spawn(self._prefill_leg(ctx, lease, body), "proxy-p-leg")
+        if leg is not None:  # streamed like the client's request (proxy/handover.py)
+            body = self.handover.prefill_body(ctx, body, leg)
+            coro = run_prefill_stream(self.client, self.prefill, lease, ctx.path, body,
+                                      ctx.headers, self._leg_timeout(ctx), leg)
+        else:
+            coro = self._prefill_leg(ctx, lease, body)
+        task = self._spawn(coro, "proxy-p-leg")
         # a task cancelled before its first step never runs its finally blocks
         task.add_done_callback(lambda _: lease.release())
         return task

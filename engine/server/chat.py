@@ -205,6 +205,8 @@ async def _stream(
                 delta=DeltaMessage(content=comp.text) if comp.text else DeltaMessage(),
                 logprobs=lp, finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
             ), comp.token_ids))
+        if out.kv_transfer_params is not None:  # a streamed P leg's (proxy/handover.py)
+            lines.append(sse({"kv_transfer_params": out.kv_transfer_params}))
         return lines
 
     try:

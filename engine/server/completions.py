@@ -210,6 +210,8 @@ async def _stream(
                 with_ids.add(index)
             else:
                 lines.append(sse(chunk))
+        if out.kv_transfer_params is not None:  # a streamed P leg's (proxy/handover.py)
+            lines.append(sse({"kv_transfer_params": out.kv_transfer_params}))
         return lines
 
     try:

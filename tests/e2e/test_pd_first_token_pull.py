@@ -13,6 +13,11 @@ from first_token_kit import (
     completion_body,
     post,
 )
+from handover_kit import (
+    check_first_token_before_decode,
+    check_stream_stop_on_first_token,
+    check_streams_exact,
+)
 from pd_harness import deployment, metric
 
 
@@ -32,6 +37,18 @@ def test_pull_stop_on_first_token_leaves_no_block(pd):
 
 def test_pull_n_above_one_recomputes(pd):
     check_n_recomputes(pd)
+
+
+def test_pull_stream_is_colocated_with_p_token_first(pd):
+    check_streams_exact(pd)
+
+
+def test_pull_streamed_stop_on_first_token_is_p_alone(pd):
+    check_stream_stop_on_first_token(pd)
+
+
+def test_pull_client_has_token_1_while_d_is_stopped(pd):
+    check_first_token_before_decode(pd, "/v1/chat/completions")
 
 
 @pytest.mark.parametrize("bad", [[1 << 30], [-1], [1, 2], "x"])

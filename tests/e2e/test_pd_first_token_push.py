@@ -19,6 +19,12 @@ from first_token_kit import (
     completion_body,
     post,
 )
+from handover_kit import (
+    check_first_token_before_decode,
+    check_held_first_token_goes_with_decode,
+    check_stream_stop_on_first_token,
+    check_streams_exact,
+)
 from pd_harness import assert_no_leaks, deployment, metric, wait_until
 
 from proxy.backends import LOAD_POLL_INTERVAL_S
@@ -115,3 +121,19 @@ def test_d_waiting_for_kv_does_not_poll(pd):
     for t in legs:
         t.join(30)  # unregistered transfers: P refuses them (unknown_timeout) or D times out
     assert_no_leaks(pd.engines, timeout=60)
+
+
+def test_push_stream_is_colocated_with_p_token_first(pd):
+    check_streams_exact(pd)
+
+
+def test_push_streamed_stop_on_first_token_is_p_alone(pd):
+    check_stream_stop_on_first_token(pd)
+
+
+def test_push_held_first_token_goes_with_decode(pd):
+    check_held_first_token_goes_with_decode(pd)
+
+
+def test_push_client_has_token_1_while_d_is_stopped(pd):
+    check_first_token_before_decode(pd)
