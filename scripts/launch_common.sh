@@ -40,6 +40,12 @@ check_port() {  # check_port NAME VALUE
     is_port "$2" || die "$1 must be a TCP port (1-65535), got '$2'"
 }
 
+# check_discovery URL — empty, or an etcd URL that pdserve's --discovery takes.
+check_discovery() {
+    [[ -z "$1" || "$1" =~ ^etcds?://[^/?#]+$ ]] || \
+        die "--discovery must look like etcd://HOST:PORT or etcds://HOST:PORT, got '$1'"
+}
+
 # Print the UCX_* variables that pdserve will inherit (one line, to stderr), so the log of
 # every launch records which transports UCX was allowed to use.
 report_ucx_env() {
@@ -90,6 +96,8 @@ Options (environment variable in brackets; a flag wins):
   --connector NAME      NixlPushConnector (push, default) or NixlConnector (pull)
                         [KV_CONNECTOR]
   --served-model-name N model name clients send; default MODEL_DIR [SERVED_MODEL_NAME]
+  --discovery URL       register in etcd (etcd://HOST:PORT or etcds://), advertising
+                        --host; the proxy then finds this engine itself [DISCOVERY]
   --ucx-tls LIST        UCX transports, e.g. rc,cuda_copy or tcp [UCX_TLS]
   --ucx-net-devices L   UCX devices, e.g. mlx5_0:1 or eth0 [UCX_NET_DEVICES]
   --dry-run             print the pdserve command line and exit
@@ -115,6 +123,7 @@ launch_role() {
     local port="${!port_var:-$def_port}" kv_port="${!kv_port_var:-$def_kv_port}"
     local engine_id="${!id_var:-}" connector="${KV_CONNECTOR:-NixlPushConnector}"
     local served="${SERVED_MODEL_NAME:-}" dry_run=0 tp="${!tp_var:-${TP:-1}}"
+    local discovery="${DISCOVERY:-}"
     local -a extra=()
     if [[ -n "${PDSERVE_EXTRA_ARGS:-}" ]]; then
         read -r -a extra <<<"$PDSERVE_EXTRA_ARGS"
@@ -130,6 +139,7 @@ launch_role() {
             --engine-id) need_value "$1" $#; engine_id="$2"; shift 2 ;;
             --connector) need_value "$1" $#; connector="$2"; shift 2 ;;
             --served-model-name) need_value "$1" $#; served="$2"; shift 2 ;;
+            --discovery) need_value "$1" $#; discovery="$2"; shift 2 ;;
             --tp) need_value "$1" $#; tp="$2"; shift 2 ;;
             --ucx-tls) need_value "$1" $#; export UCX_TLS="$2"; shift 2 ;;
             --ucx-net-devices) need_value "$1" $#; export UCX_NET_DEVICES="$2"; shift 2 ;;
@@ -158,6 +168,7 @@ launch_role() {
         die "--tp $tp: pull mode (NixlConnector) with tensor parallelism is not supported yet;" \
             "use --connector NixlPushConnector"
     fi
+    check_discovery "$discovery"
     [[ "$port" != "$kv_port" ]] || die "--port and --kv-port must differ (both $port)"
     (( kv_port + tp - 1 <= 65535 )) || die "--kv-port $kv_port + --tp $tp runs past port 65535"
     (( port < kv_port || port >= kv_port + tp )) || \
@@ -167,6 +178,7 @@ launch_role() {
     [[ -z "$engine_id" ]] || cmd+=(--engine-id "$engine_id")
     (( tp == 1 )) || cmd+=(--tensor-parallel-size "$tp")
     [[ -z "$served" ]] || cmd+=(--served-model-name "$served")
+    [[ -z "$discovery" ]] || cmd+=(--discovery "$discovery" --advertise-host "$host")
     report_ucx_env
     print_and_exec "$dry_run" "${cmd[@]}" "${extra[@]}"
 }

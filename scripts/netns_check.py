@@ -5,6 +5,8 @@ reference server, and fails unless:
 - every answer through the proxy equals the reference's (greedy decoding: same text, same
   finish reason, same token counts), streamed and chat requests included;
 - P advertises the address D reaches it on (``/kv_transfer/info``);
+- with ``--discovery``: the proxy (started with no --prefill/--decode) found exactly P and D
+  in etcd, at the addresses they advertised, and its watch on etcd is live;
 - the KV really crossed: D's ``pdserve:kv_remote_prefill_tokens_total`` grew by exactly
   ``prompt_tokens - 1`` per completion request (distinct prompts, so no prefix hits), P
   counted one WRITE per request, and D's veth received at least the bytes P wrote.
@@ -25,6 +27,8 @@ REMOTE_TOKENS = "pdserve:kv_remote_prefill_tokens_total"
 WRITES = "pdserve:kv_push_writes_total"
 BYTES = "pdserve:kv_transfer_bytes_total"
 FAILURES = "pdserve:kv_push_write_failures_total"
+DISCOVERY_MEMBERS = 'pdserve:proxy_discovery_members{{role="{}"}}'
+ETCD_UP = "pdserve:proxy_discovery_etcd_up"
 TIMEOUT_S = 60.0
 
 # Distinct from their first words on, longer than one 16-token block each.
@@ -114,6 +118,8 @@ def main() -> int:
     ap.add_argument("--model", default="tiny", help="served model name")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of P and D")
+    ap.add_argument("--discovery", action="store_true",
+                    help="the proxy's pools come from etcd: check what it found there")
     args = ap.parse_args()
     failures: list[str] = []
 
@@ -127,6 +133,17 @@ def main() -> int:
           "NixlPushConnector", f"P /kv_transfer/info advertises {args.p_kv_host}: {info}")
     check(info.get("tp_size") == args.tp and len(info.get("kv_ports", ())) == args.tp,
           f"P runs {args.tp} tensor-parallel rank(s), one side channel each: {info}")
+
+    if args.discovery:
+        pools = json.loads(_get(f"{args.proxy}/health"))
+        found = {role: sorted(b["url"] for b in pools.get(role, ())) for role in
+                 ("prefill", "decode")}
+        check(found == {"prefill": [args.prefill], "decode": [args.decode]},
+              f"the proxy found P and D in etcd, at their veth addresses: {found}")
+        members = {role: metric(args.proxy, DISCOVERY_MEMBERS.format(role)) for role in
+                   ("prefill", "decode")}
+        check(members == {"prefill": 1, "decode": 1} and metric(args.proxy, ETCD_UP) == 1,
+              f"the proxy's pools come from its live etcd watch: members {members}")
 
     before = {"remote": metric(args.decode, REMOTE_TOKENS), "writes": metric(args.prefill, WRITES),
               "bytes": metric(args.prefill, BYTES), "rx": rx_bytes(args.veth)}

@@ -2,14 +2,23 @@
 # Two "nodes" on one machine: P in one network namespace, D and the proxy in another, joined
 # by a veth pair; UCX restricted to TCP on the veth so the KV really crosses the "network".
 #
-# Usage: scripts/netns_two_node.sh [MODEL_DIR]      (root; MODEL_DIR default: a fresh tiny model)
+# Usage: scripts/netns_two_node.sh [--etcd] [MODEL_DIR]
+#        (root; MODEL_DIR default: a fresh tiny model)
 #
 #   namespace pdserve-p-PID  10.77.0.1/24 on veth pdvpPID   P     (launch_prefill.sh)
+#                                                           etcd :2379 (--etcd only)
 #   namespace pdserve-d-PID  10.77.0.2/24 on veth pdvdPID   D     (launch_decode.sh)
 #                                                           proxy (launch_proxy.sh)
 #                                                           reference `pdserve serve`
 # Then scripts/netns_check.py (inside pdserve-d-PID) sends requests through the proxy and
 # checks them against the colocated reference and the transfer counters.
+#
+# --etcd (or NETNS_ETCD=1): membership from etcd instead of the proxy's static lists. A real
+# `etcd` (Debian's etcd-server) runs on P's node, bound to P's veth address; P and D start
+# with --discovery etcd://10.77.0.1:2379 --advertise-host <their veth address>, and the
+# proxy gets --discovery alone (no --prefill/--decode) and the KV secret, so it routes only
+# to registrations signed with it. D's registration and the proxy's watch cross the veth;
+# netns_check.py also checks that the proxy found exactly P and D through etcd.
 #
 # Exit status: 0 all checks passed; 1 a check or a start-up failed; 2 bad usage;
 # 77 network namespaces are not permitted here (not root, no CAP_SYS_ADMIN, or no `ip`).
@@ -35,6 +44,7 @@ NS_P="pdserve-p-$TAG" NS_D="pdserve-d-$TAG"
 VETH_P="pdvp$TAG" VETH_D="pdvd$TAG"            # <= 15 characters (IFNAMSIZ)
 IP_P="10.77.0.1" IP_D="10.77.0.2"
 P_PORT=8100 P_KV_PORT=5600 D_PORT=8200 D_KV_PORT=5601 PROXY_PORT=8000 REF_PORT=8300
+ETCD_PORT=2379 ETCD_PEER_PORT=2380
 SERVED="tiny"
 UCX_TLS_USED="${NETNS_UCX_TLS-tcp}"
 UCX_DEVICES_USED="${NETNS_UCX_NET_DEVICES:-veth}"
@@ -42,10 +52,24 @@ ENGINE_FLAGS=(--num-kv-blocks 512 --max-model-len 1024 --log-level info)
 
 log() { echo "$NAME: $*" >&2; }
 
-case "${1:-}" in
-    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
-esac
-[[ $# -le 1 ]] || { log "usage: $0 [MODEL_DIR]"; exit 2; }
+USE_ETCD="${NETNS_ETCD:-0}"
+ARGS=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
+        --etcd) USE_ETCD=1; shift ;;
+        -*) log "unknown option '$1'; usage: $0 [--etcd] [MODEL_DIR]"; exit 2 ;;
+        *) ARGS+=("$1"); shift ;;
+    esac
+done
+[[ ${#ARGS[@]} -le 1 ]] || { log "usage: $0 [--etcd] [MODEL_DIR]"; exit 2; }
+set -- "${ARGS[@]}"
+ETCD_BIN=""
+if [[ "$USE_ETCD" == 1 ]]; then
+    ETCD_BIN="$(command -v etcd || true)"
+    [[ -n "$ETCD_BIN" ]] || { log "--etcd needs the etcd binary (apt-get install etcd-server)"
+                              exit 1; }
+fi
 
 if [[ -n "${PDSERVE:-}" ]]; then PDSERVE_BIN="$PDSERVE"
 elif [[ -x "$ROOT/.venv/bin/pdserve" ]]; then PDSERVE_BIN="$ROOT/.venv/bin/pdserve"
@@ -137,7 +161,8 @@ fi
 # settings and the launch scripts' variables (P_*, D_*, PROXY_*, MODEL, ...) are dropped so
 # that only what this script sets reaches the engines.
 SCRUB='^(UCX_[A-Za-z0-9_]+|P_[A-Z_]+|D_[A-Z_]+|PROXY_[A-Z_]+|MODEL|KV_CONNECTOR|TP'
-SCRUB+='|SERVED_MODEL_NAME|PDSERVE_EXTRA_ARGS|PDSERVE_API_KEY|PDSERVE_KV_SECRET|[A-Za-z]+_(PROXY|proxy))$'
+SCRUB+='|SERVED_MODEL_NAME|PDSERVE_EXTRA_ARGS|PDSERVE_API_KEY|PDSERVE_KV_SECRET|DISCOVERY'
+SCRUB+='|PDSERVE_ETCD_PASSWORD|[A-Za-z]+_(PROXY|proxy))$'
 in_ns() {
     local ns="$1" logf="$2"
     shift 2
@@ -180,13 +205,28 @@ ucx_dev() {  # ucx_dev VETH: the UCX_NET_DEVICES assignment for one side, if any
 # P and D share a KV secret (docs/security.md), passed in the environment, never on a
 # command line where `ps` would show it; the proxy does not need it.
 KV_SECRET="$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')"
+DISCOVERY_URL="" PROXY_VARS=(P_HOST="$IP_P" P_PORT="$P_PORT" D_HOST="$IP_D" D_PORT="$D_PORT")
+if [[ "$USE_ETCD" == 1 ]]; then
+    ETCD_URL="http://$IP_P:$ETCD_PORT"
+    in_ns "$NS_P" etcd.log -- "$ETCD_BIN" --name "netns-$TAG" --data-dir "$WORK/etcd" \
+        --listen-client-urls "$ETCD_URL" --advertise-client-urls "$ETCD_URL" \
+        --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+        --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+        --initial-cluster "netns-$TAG=http://127.0.0.1:$ETCD_PEER_PORT" --log-level warn
+    PID_ETCD=$!
+    wait_healthy "$NS_D" "$ETCD_URL" "$PID_ETCD" "etcd ($NS_P)"
+    DISCOVERY_URL="etcd://$IP_P:$ETCD_PORT"
+    PROXY_VARS=(DISCOVERY="$DISCOVERY_URL" PDSERVE_KV_SECRET="$KV_SECRET")
+fi
 in_ns "$NS_P" prefill.log "$(ucx_dev "$VETH_P")" MODEL="$MODEL" P_HOST="$IP_P" \
-    P_PORT="$P_PORT" P_KV_PORT="$P_KV_PORT" P_TP="$TP" PDSERVE_KV_SECRET="$KV_SECRET" -- \
+    P_PORT="$P_PORT" P_KV_PORT="$P_KV_PORT" P_TP="$TP" PDSERVE_KV_SECRET="$KV_SECRET" \
+    DISCOVERY="$DISCOVERY_URL" -- \
     "$ROOT/scripts/launch_prefill.sh" --engine-id "P-$TAG" --served-model-name "$SERVED" \
     -- "${ENGINE_FLAGS[@]}"
 PID_P=$!
 in_ns "$NS_D" decode.log "$(ucx_dev "$VETH_D")" MODEL="$MODEL" D_HOST="$IP_D" \
-    D_PORT="$D_PORT" D_KV_PORT="$D_KV_PORT" D_TP="$TP" PDSERVE_KV_SECRET="$KV_SECRET" -- \
+    D_PORT="$D_PORT" D_KV_PORT="$D_KV_PORT" D_TP="$TP" PDSERVE_KV_SECRET="$KV_SECRET" \
+    DISCOVERY="$DISCOVERY_URL" -- \
     "$ROOT/scripts/launch_decode.sh" --engine-id "D-$TAG" --served-model-name "$SERVED" \
     -- "${ENGINE_FLAGS[@]}"
 PID_D=$!
@@ -198,8 +238,7 @@ wait_healthy "$NS_D" "http://$IP_P:$P_PORT" "$PID_P" "prefill (P, $NS_P)"
 wait_healthy "$NS_D" "http://$IP_D:$D_PORT" "$PID_D" "decode (D, $NS_D)"
 wait_healthy "$NS_D" "http://127.0.0.1:$REF_PORT" "$PID_REF" "colocated reference"
 
-in_ns "$NS_D" proxy.log P_HOST="$IP_P" P_PORT="$P_PORT" D_HOST="$IP_D" D_PORT="$D_PORT" \
-    PROXY_HOST="$IP_D" PROXY_PORT="$PROXY_PORT" -- \
+in_ns "$NS_D" proxy.log "${PROXY_VARS[@]}" PROXY_HOST="$IP_D" PROXY_PORT="$PROXY_PORT" -- \
     "$ROOT/scripts/launch_proxy.sh" --mode push -- --health-interval 0.5
 PID_PROXY=$!
 wait_healthy "$NS_D" "http://$IP_D:$PROXY_PORT" "$PID_PROXY" "proxy ($NS_D)"
@@ -209,5 +248,6 @@ wait_healthy "$NS_D" "http://$IP_D:$PROXY_PORT" "$PID_PROXY" "proxy ($NS_D)"
 ip netns exec "$NS_D" env -u PDSERVE_API_KEY "$PYTHON" "$ROOT/scripts/netns_check.py" \
     --proxy "http://$IP_D:$PROXY_PORT" --prefill "http://$IP_P:$P_PORT" \
     --decode "http://$IP_D:$D_PORT" --reference "http://127.0.0.1:$REF_PORT" \
-    --p-kv-host "$IP_P" --veth "$VETH_D" --model "$SERVED" --tp "$TP" &
+    --p-kv-host "$IP_P" --veth "$VETH_D" --model "$SERVED" --tp "$TP" \
+    ${DISCOVERY_URL:+--discovery} &
 wait $!

@@ -82,16 +82,24 @@ def netns_allowed() -> None:
         pytest.skip(reason)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_two_node_over_veth_matches_colocated_and_moves_the_kv(netns_allowed, tiny_model, tp):
+@pytest.mark.parametrize(("tp", "etcd"), [(1, False), (2, True)], ids=["tp1", "tp2-etcd"])
+def test_two_node_over_veth_matches_colocated_and_moves_the_kv(netns_allowed, tiny_model, tp,
+                                                              etcd):
     """tp=2: P and D each run two tensor-parallel ranks, every rank its own NIXL agent and
-    side channel across the veth."""
+    side channel across the veth. etcd: membership from a real etcd on P's node (--etcd):
+    the engines register their veth addresses and every rank's side channel, the proxy runs
+    with --discovery alone and routes to what it found there."""
+    if etcd and shutil.which("etcd") is None:
+        pytest.skip("etcd is not installed (apt-get install etcd-server; make test does)")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NETNS_TP": str(tp)}
-    proc_rc, out = _run_bounded([str(NETNS), tiny_model], SCRIPT_TIMEOUT_S, env=env)
+    argv = [str(NETNS), *(["--etcd"] if etcd else []), tiny_model]
+    proc_rc, out = _run_bounded(argv, SCRIPT_TIMEOUT_S, env=env)
     print(out)
     assert proc_rc == 0, f"netns_two_node.sh exited {proc_rc}:\n{out}"
     assert "netns_check: all checks passed" in out
     assert "FAIL" not in out
+    found = "ok   the proxy found P and D in etcd"
+    assert (found in out) == etcd, out
     tag = re.search(r"namespaces pdserve-p-(\d+)", out).group(1)
     _assert_torn_down(out, f"P-{tag}")
     _assert_torn_down(out, f"D-{tag}")
@@ -122,7 +130,7 @@ def _dry_run(script: str, *args: str, **env: str) -> subprocess.CompletedProcess
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith(("P_", "D_", "PROXY_", "UCX_")) and k not in (
                  "MODEL", "KV_CONNECTOR", "SERVED_MODEL_NAME", "PDSERVE_EXTRA_ARGS",
-                 "PDSERVE_API_KEY", "TP")}
+                 "PDSERVE_API_KEY", "TP", "DISCOVERY")}
     return subprocess.run([str(SCRIPTS / script), *args], capture_output=True, text=True,
                           env={**clean, "PDSERVE": "/bin/true", **env}, timeout=30)
 
@@ -199,6 +207,29 @@ def test_launch_proxy_takes_url_lists_and_rejects_bad_urls():
     assert bad.returncode == 2 and "ftp://x" in bad.stderr
     missing = _dry_run("launch_proxy.sh", "--dry-run", P_HOST="p")
     assert missing.returncode == 2 and "D_HOST" in missing.stderr
+
+
+def test_launch_scripts_register_in_etcd_and_the_proxy_finds_them_there():
+    r = _dry_run("launch_prefill.sh", "/m", "--host", "10.0.0.1", "--discovery",
+                 "etcd://10.0.0.9:2379", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert shlex.split(r.stdout)[-4:] == ["--discovery", "etcd://10.0.0.9:2379",
+                                          "--advertise-host", "10.0.0.1"]
+    r = _dry_run("launch_decode.sh", "/m", "--host", "10.0.0.2", "--bind", "0.0.0.0",
+                 "--dry-run", DISCOVERY="etcds://10.0.0.9:2379")
+    assert r.returncode == 0, r.stderr
+    assert shlex.split(r.stdout)[-4:] == ["--discovery", "etcds://10.0.0.9:2379",
+                                          "--advertise-host", "10.0.0.2"]
+    r = _dry_run("launch_proxy.sh", "--dry-run", "--discovery", "etcd://10.0.0.9:2379")
+    assert r.returncode == 0, r.stderr
+    assert shlex.split(r.stdout) == [
+        "/bin/true", "proxy", "--discovery", "etcd://10.0.0.9:2379", "--mode", "push",
+        "--host", "127.0.0.1", "--port", "8000"]
+    both = _dry_run("launch_proxy.sh", "--dry-run", "--discovery", "etcd://h:2379", P_HOST="p")
+    assert both.returncode == 2 and "--discovery replaces" in both.stderr
+    for script, model in (("launch_prefill.sh", ["/m"]), ("launch_proxy.sh", [])):
+        bad = _dry_run(script, "--dry-run", *model, "--discovery", "http://h:2379", P_HOST="p")
+        assert bad.returncode == 2 and "etcd://HOST:PORT" in bad.stderr, bad.stderr
 
 
 @pytest.mark.parametrize("script", ["launch_prefill.sh", "launch_decode.sh", "launch_proxy.sh",
