@@ -5,8 +5,11 @@ are; json.loads decides whether the finished text is JSON."""
 from __future__ import annotations
 
 import json
+import re
 
 _WS = " \t\n\r"
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*("|\\?\Z)|[{}\[\]]', re.S)
 
 
 def skip_ws(s: str, i: int) -> int:
@@ -15,39 +18,41 @@ def skip_ws(s: str, i: int) -> int:
     return i
 
 
-def value_end(s: str, i: int) -> int | None:
+Memo = dict[int, tuple[int, int | None]]
+
+
+def value_end(s: str, i: int, memo: Memo | None = None) -> int | None:
     """End (exclusive) of the JSON value starting at s[i]; None while the text ends inside it
-    (a number at the very end may still grow)."""
+    (a number at the very end may still grow). `memo`, kept by a caller whose text only
+    grows, resumes an object's scan where the last call stopped (linear, not quadratic, in a
+    streamed answer)."""
     if i >= len(s):
         return None
     if s[i] == '"':
-        j = i + 1
-        while j < len(s):
-            if s[j] == "\\":
-                j += 2
-                continue
-            if s[j] == '"':
-                return j + 1
-            j += 1
-        return None
+        m = _STRING.match(s, i)
+        return m.end() if m else None
     if s[i] in "{[":
-        depth, j, in_str = 0, i, False
-        while j < len(s):
-            ch = s[j]
-            if in_str:
-                if ch == "\\":
-                    j += 1
-                elif ch == '"':
-                    in_str = False
-            elif ch == '"':
-                in_str = True
-            elif ch in "{[":
+        pos, depth = (i, 0) if memo is None else memo.get(i, (i, 0))
+        if depth is None:
+            return pos  # ended before
+        for m in _TOKEN.finditer(s, pos):  # whole strings and brackets, scanned in C
+            tok = m.group()
+            if tok[0] == '"':
+                if m.group(1) != '"':  # the text ends inside a string
+                    pos = m.start()
+                    break
+            elif tok in "{[":
                 depth += 1
-            elif ch in "}]":
+            else:
                 depth -= 1
                 if depth == 0:
-                    return j + 1
-            j += 1
+                    if memo is not None:
+                        memo[i] = (m.end(), None)
+                    return m.end()
+        else:
+            pos = len(s)
+        if memo is not None:
+            memo[i] = (pos, depth)
         return None
     j = i
     while j < len(s) and s[j] not in _WS + ",}]":
@@ -55,7 +60,7 @@ def value_end(s: str, i: int) -> int | None:
     return j if j < len(s) else None
 
 
-def members(s: str, i: int) -> dict[str, tuple[int, int | None]]:
+def members(s: str, i: int, memo: Memo | None = None) -> dict[str, tuple[int, int | None]]:
     """The members of the object at s[i] == '{' as far as the text goes: key -> (the value's
     start, its end or None while it grows). Stops at the first thing that is not JSON."""
     out: dict[str, tuple[int, int | None]] = {}
@@ -77,7 +82,7 @@ def members(s: str, i: int) -> dict[str, tuple[int, int | None]]:
         start = skip_ws(s, j + 1)
         if start >= len(s):
             return out
-        end = value_end(s, start)
+        end = value_end(s, start, memo)
         out[key] = (start, end)
         if end is None:
             return out
@@ -85,13 +90,13 @@ def members(s: str, i: int) -> dict[str, tuple[int, int | None]]:
     return out
 
 
-def elements(s: str, i: int) -> list[int]:
+def elements(s: str, i: int, memo: Memo | None = None) -> list[int]:
     """Where the elements of the array at s[i] == '[' begin, as far as the text goes."""
     starts: list[int] = []
     j = skip_ws(s, i + 1)
     while j < len(s) and s[j] != "]":
         starts.append(j)
-        end = value_end(s, j)
+        end = value_end(s, j, memo)
         if end is None:
             break
         j = skip_ws(s, end)

@@ -23,7 +23,7 @@ from typing import Any
 
 from engine.protocol import StructuredOutput
 from engine.server.errors import APIError
-from engine.server.json_scan import elements, members, skip_ws, value_end
+from engine.server.json_scan import Memo, elements, members, skip_ws, value_end
 
 PARSERS = ("hermes", "llama3_json")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -90,37 +90,38 @@ class ToolPlan:
             return _parse_llama3(text, self.begun(text))
         return text, []
 
-    def begun(self, text: str) -> list[Begun]:
-        """The calls an answer has begun so far, in order (the text may still grow)."""
+    def begun(self, text: str, memo: Memo | None = None) -> list[Begun]:
+        """The calls an answer has begun so far, in order (the text may still grow; `memo`
+        is json_scan's, kept while it does)."""
         if self.mode == "named":
             return [Begun(self.named, text, False)]
         if self.mode == "required":
             i = skip_ws(text, 0)
-            starts = elements(text, i) if text[i:i + 1] == "[" else []
-            return _begun_list(text, starts, "parameters")
+            starts = elements(text, i, memo) if text[i:i + 1] == "[" else []
+            return _begun_list(text, starts, "parameters", memo)
         starts = []
         if self.parser == "hermes":
             pos = 0
             while (k := text.find("<tool_call>", pos)) >= 0:
                 starts.append(skip_ws(text, k + len("<tool_call>")))
-                end = value_end(text, starts[-1])
+                end = value_end(text, starts[-1], memo)
                 if end is None:
                     break
                 pos = end
-            return _begun_list(text, starts, "arguments")
+            return _begun_list(text, starts, "arguments", memo)
         if self.parser == "llama3_json":
             i = skip_ws(text, 0)
             if text.startswith("<|python_tag|>", i):
                 i = skip_ws(text, i + len("<|python_tag|>"))
             while text[i:i + 1] == "{":
                 starts.append(i)
-                end = value_end(text, i)
+                end = value_end(text, i, memo)
                 if end is None:
                     break
                 i = end
                 while i < len(text) and text[i] in "; \n\t":
                     i += 1
-            return _begun_list(text, starts, "parameters")
+            return _begun_list(text, starts, "parameters", memo)
         return []
 
 
@@ -135,10 +136,10 @@ class Begun:
     done: bool
 
 
-def _begun_at(text: str, start: int, key: str) -> Begun | None:
+def _begun_at(text: str, start: int, key: str, memo: Memo | None) -> Begun | None:
     if text[start:start + 1] != "{":
         return None
-    found = members(text, start)
+    found = members(text, start, memo)
     name = None
     if "name" in found and found["name"][1] is not None:
         a, b = found["name"]
@@ -162,10 +163,11 @@ def _begun_at(text: str, start: int, key: str) -> Begun | None:
     return Begun(name, value if isinstance(value, str) else text[a:b], True)
 
 
-def _begun_list(text: str, starts: list[int], key: str) -> list[Begun]:
+def _begun_list(text: str, starts: list[int], key: str, memo: Memo | None = None
+                ) -> list[Begun]:
     out = []
     for start in starts:
-        b = _begun_at(text, start, key)
+        b = _begun_at(text, start, key, memo)
         if b is None:
             break
         out.append(b)
@@ -335,6 +337,7 @@ class ToolStream:
         self.text: dict[int, str] = {}
         self.sent: dict[int, int] = {}  # characters already sent as content
         self.calls: dict[int, list[list[Any]]] = {}  # per choice: [name, arguments sent]
+        self.memo: dict[int, Memo] = {}  # per choice: json_scan's, as its text grows
 
     def _streamable(self, text: str) -> int:
         """How much of `text` is surely content (not the start of a call)."""
@@ -384,8 +387,8 @@ class ToolStream:
             if upto > sent:
                 out.append({"content": text[sent:upto]})
                 self.sent[index] = upto
-            return out + self._advance(index, [
-                (b.name, b.arguments) for b in self.plan.begun(text)]), None
+            return out + self._advance(index, [(b.name, b.arguments) for b in self.plan.begun(
+                text, self.memo.setdefault(index, {}))]), None
         content, calls, finish = answer(self.plan, text, finish_reason)
         if not calls:
             rest = text[sent:]

@@ -142,3 +142,19 @@ def test_a_call_cut_short_stays_as_streamed_and_plain_text_stays_content() -> No
     text = "no call <tool_cal here"
     content = "".join(d.get("content", "") for out in _stream(hermes, text, 1) for d in out)
     assert content == text
+
+
+@pytest.mark.parametrize("value", [
+    {"a": "x}]\"{[", "b": [1, {"c": "\\\\"}], "d": "\\u00e9\\\"", "e": -1.5e3, "f": None},
+    ["a\\\\", "\"", [], {}], "plain \\\" string", 12.5, True])
+def test_json_scan_finds_the_end_of_a_value_and_no_end_in_any_prefix(value) -> None:
+    from engine.server.json_scan import value_end
+
+    text = json.dumps(value) + " ,"
+    end = len(text) - 2
+    assert value_end(text, 0) == end
+    assert all(value_end(text[:k], 0) is None for k in range(end if text[0] in "{[\"" else 1))
+    memo: dict = {}  # a growing text, scanned where the last call stopped
+    assert [value_end(text[:k], 0, memo) for k in range(1, len(text) + 1)] == [
+        None if k < end or (k == end and text[0] not in "{[\"") else end
+        for k in range(1, len(text) + 1)]
