@@ -38,6 +38,7 @@ from engine.server.vllm_flags import (
     kv_cache_gib,
     tool_call_parser,
 )
+from engine.threads import apply_thread_defaults
 
 if TYPE_CHECKING:
     from engine.server.uvicorn_server import ServerCompanion
@@ -271,6 +272,10 @@ def serve_main(args: argparse.Namespace, *, role_defaults: Mapping[str, Any] | N
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stackdump.install()
+    # Before torch loads here and before the EngineCore (and its TP workers) are spawned:
+    # OpenMP workers that sleep soon after a region, so engines sharing cores do not spin.
+    if chosen := apply_thread_defaults():
+        logger.info("OpenMP defaults (no wait policy given): %s", chosen)
     try:
         config = config_from_args(args, role_defaults)
         from engine.models import load_arch
