@@ -58,8 +58,7 @@ class EtcdProcess:
         assert self.process is not None
         self.process.send_signal(signal.SIGSTOP)
         deadline = time.monotonic() + 10
-        while not all(t.status() == psutil.STATUS_STOPPED  # every thread, not just signalled
-                      for t in map(psutil.Process, self._threads())):
+        while not all(_stopped(tid) for tid in self._threads()):  # every thread of it
             if time.monotonic() > deadline:
                 raise TimeoutError("etcd did not stop within 10 s of SIGSTOP")
             time.sleep(0.005)
@@ -82,6 +81,13 @@ class EtcdProcess:
             self.thaw()
             self.kill()
         shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+def _stopped(tid: int) -> bool:
+    try:
+        return psutil.Process(tid).status() == psutil.STATUS_STOPPED
+    except psutil.NoSuchProcess:
+        return True  # a thread that ended cannot answer either
 
 
 def etcd_put(etcd: EtcdProcess, key: bytes, value: bytes) -> None:
