@@ -10,8 +10,9 @@ module or None, in which case the caller uses its pure-torch path. The build is 
 sources, the compiler flags, the torch version and the CPU (the code is built with
 -march=native) and cached as one shared object under $PDSERVE_KERNEL_CACHE (default
 ~/.cache/pdserve/kernels). A process that finds it imports it directly; one that does not
-builds it in a private temporary directory and moves the result into place atomically, so
-concurrent builders never wait on each other and a builder killed midway leaves no lock behind.
+builds it in a private temporary directory and moves the result into place atomically, under
+an flock beside it: concurrent starts (a P and a D, a test's engines) compile once, the others
+wait and import the result, and a builder killed midway leaves no lock behind.
 `make install` builds it ahead of time (`python -m engine.kernels`), so no engine start
 pays for the compiler. PDSERVE_ATTENTION=torch and PDSERVE_LINEAR=torch turn the kernels off
 (for comparisons and as escape hatches). The kernels run on the best instruction-set path the
@@ -26,6 +27,8 @@ the measurements and their store that dispatch consults (it is handed the gemms 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -35,6 +38,7 @@ import platform
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -96,6 +100,19 @@ def _build(name: str, dest: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _build_lock(dest: Path) -> Iterator[None]:
+    """An exclusive flock beside the build: the kernel advises it and drops it when its holder
+    exits, however it exits, so a builder killed midway leaves no lock behind."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.with_suffix(".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @functools.cache
 def compiled() -> ModuleType | None:
     """The kernels' module, built first if this machine has no build yet; None if it fails."""
@@ -104,8 +121,10 @@ def compiled() -> ModuleType | None:
 
         name, path = cached_path()
         if not path.exists():
-            logger.info("building the CPU kernels into %s", path)
-            _build(name, path)
+            with _build_lock(path):  # one builder per build; the others wait and import it
+                if not path.exists():
+                    logger.info("building the CPU kernels into %s", path)
+                    _build(name, path)
         module = _import(name, path)
     except Exception as e:  # no compiler, no ninja, a build error: fall back, say why once
         first = str(e).splitlines()[0] if str(e) else ""
