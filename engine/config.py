@@ -46,10 +46,11 @@ class EngineConfig:
     # Deadlines on waits that cross a process (engine/core/liveness.py, startup.py): a core
     # or TP worker silent for heartbeat_timeout_s is hung (stopped, frozen); a step that has
     # not returned after step_timeout_s is stuck; each start-up stage has its own deadline
-    # (startup_stage_timeout_s, when given, replaces every one of them).
+    # (startup_stage_timeout_s, when given, replaces every one of them; as {stage: seconds}
+    # only the stages it names).
     heartbeat_timeout_s: float = 30.0
     step_timeout_s: float = 900.0
-    startup_stage_timeout_s: float | None = None
+    startup_stage_timeout_s: float | dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         from engine.models.source import resolve_model
@@ -76,7 +77,8 @@ class EngineConfig:
                              f"{self.tensor_parallel_size}")
         for name in ("heartbeat_timeout_s", "step_timeout_s", "startup_stage_timeout_s"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
+            values = value.values() if isinstance(value, dict) else [value]
+            if any(v is not None and not v > 0 for v in values):
                 raise ValueError(f"{name} must be positive, got {value}")
         if isinstance(self.kv_transfer_config, (str, dict)):
             object.__setattr__(

@@ -10,7 +10,7 @@ the server exits non-zero instead of waiting.
 
 Deadlines are far above an honest stage on a slow, busy CPU (model-sized stages get the
 most); `EngineConfig.startup_stage_timeout_s` (`--startup-stage-timeout`), when given,
-replaces every one of them.
+replaces every one of them, or, as {stage: seconds} (`STAGE=S,...`), the stages it names.
 
 Test-only fault hook: PDSERVE_FAULT_STALL_STARTUP=<stage> makes that stage hang (the process
 sleeps when it enters it), so tests prove the deadline ends it.
@@ -32,7 +32,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -69,11 +69,30 @@ STAGE_DEADLINES: dict[str, float] = {
 _SPANS = {"tp_workers": 6, "engine_core_start": 8, "engine_core_spawn": 3}
 
 
-def stage_deadline(stage: str, override: float | None) -> float:
-    """The deadline of `stage`: from the override when given, else its default."""
+def stage_deadline(stage: str, override: float | Mapping[str, float] | None) -> float:
+    """The deadline of `stage`: from the override when given, else its default. A number
+    replaces every stage's deadline (container stages get _SPANS times it); a mapping
+    {stage: seconds} replaces only the stages it names."""
     if override is None:
         return STAGE_DEADLINES[stage]
+    if isinstance(override, Mapping):
+        return float(override.get(stage, STAGE_DEADLINES[stage]))
     return float(override) * _SPANS.get(stage, 1)
+
+
+def parse_stage_timeout(text: str) -> float | dict[str, float]:
+    """`--startup-stage-timeout`: SECONDS (every stage) or STAGE=SECONDS[,STAGE=SECONDS...]
+    (those stages only); a ValueError names an unknown stage or a bad number."""
+    if "=" not in text:
+        return float(text)
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        name, _, value = part.strip().partition("=")
+        if name not in STAGE_DEADLINES:
+            raise ValueError(f"unknown start-up stage {name!r} (the stages: "
+                             f"{', '.join(sorted(STAGE_DEADLINES))})")
+        out[name] = float(value)
+    return out
 
 
 class StartupStalled(RuntimeError):
@@ -97,7 +116,7 @@ class StartupWatch:
     """Deadlines of one process's start-up stages. `stage(name)` is used on the starting
     thread; the watch thread only reads the stage in progress. `close()` when started."""
 
-    def __init__(self, who: str, override: float | None = None) -> None:
+    def __init__(self, who: str, override: float | Mapping[str, float] | None = None) -> None:
         self.who = who
         self.override = override
         self._lock = threading.Lock()

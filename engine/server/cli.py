@@ -38,6 +38,7 @@ from engine.server.vllm_flags import (
     kv_cache_gib,
     tool_call_parser,
 )
+from engine.startup import parse_stage_timeout
 from engine.threads import apply_thread_defaults
 
 if TYPE_CHECKING:
@@ -54,6 +55,13 @@ _ENGINE_FLAGS = (
       "data_parallel_lockstep"),
     "heartbeat_timeout_s", "step_timeout_s", "startup_stage_timeout_s", "kv_events_config",
 )
+
+
+def _stage_timeout(text: str) -> float | dict[str, float]:
+    try:
+        return parse_stage_timeout(text)
+    except ValueError as e:  # argparse prints this message as the usage error
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -121,10 +129,11 @@ def add_deadline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-timeout", dest="step_timeout_s", type=float, default=None,
                         metavar="S", help="a model step that has not returned after this long "
                                           "is stuck and fails the engine (default: 900)")
-    parser.add_argument("--startup-stage-timeout", dest="startup_stage_timeout_s", type=float,
-                        default=None, metavar="S",
-                        help="deadline of every start-up stage (default: per stage, 60-1500 s); "
-                             "a stage past it ends the server with a non-zero exit")
+    parser.add_argument("--startup-stage-timeout", dest="startup_stage_timeout_s",
+                        type=_stage_timeout, default=None, metavar="S|STAGE=S,...",
+                        help="deadline of every start-up stage, or of the stages named "
+                             "(default: per stage, 60-1500 s); a stage past it ends the server "
+                             "with a non-zero exit")
 
 
 def add_dp_args(parser: argparse.ArgumentParser) -> None:
