@@ -184,7 +184,8 @@ class Dispatcher:
         if coords is not None:  # P's answer names the rank's side channel itself
             pin_prefill_rank(p_lease, coords)
         p_body = prefill_leg_body(ctx.body, ctx.route, pull_prefill_params(), p_lease.rank)
-        leg = self.handover.leg(ctx)
+        # a streamed P leg only to our own engines (they send kv_transfer_params in a stream)
+        leg = self.handover.leg(ctx) if coords is not None else None
         prefill = self._spawn_prefill(ctx, p_lease, p_body, leg)
         await self._wait(ctx, {prefill}, on_give_up=[prefill],
                          what=f"prefill backend {p_lease.url}")

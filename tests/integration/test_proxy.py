@@ -195,7 +195,8 @@ class FakeBackend:
             return _err(f"{self.name} refuses this request", status)
         n = int(body.get("max_tokens") or 4)
         if body.get("stream"):
-            return StreamingResponse(self._sse(leg, n, chat, hold),
+            kv = self.pull_params if prefill_leg else None  # a streamed P leg's, as engines
+            return StreamingResponse(self._sse(leg, n, chat, hold, kv),
                                      media_type="text/event-stream")
         leg.finish("completed")
         text = "".join(f"tok{i} " for i in range(n))
@@ -211,7 +212,8 @@ class FakeBackend:
             out["kv_transfer_params"] = self.pull_params
         return JSONResponse(out)
 
-    async def _sse(self, leg: Leg, n: int, chat: bool, hold: str | None):
+    async def _sse(self, leg: Leg, n: int, chat: bool, hold: str | None,
+                   kv_params: dict[str, Any] | None = None):
         try:
             for i in range(n):
                 if i == 1 and hold == "after_first":
@@ -230,6 +232,8 @@ class FakeBackend:
                 yield f"data: {json.dumps(chunk)}\n\n"
                 leg.chunks_sent += 1
                 await asyncio.sleep(self.token_interval)
+            if kv_params:
+                yield f"data: {json.dumps({'kv_transfer_params': kv_params})}\n\n"
             yield "data: [DONE]\n\n"
             while hold == "after_done" and not self.gate.is_set():
                 await asyncio.sleep(0.01)
@@ -385,8 +389,9 @@ def test_push_sends_both_legs_at_once_with_one_request_id_and_transfer_id(
     assert dkv == {"do_remote_prefill": True, "remote_engine_id": "engine-p",
                    "remote_host": "127.0.0.1", "remote_port": p.kv_port, "tp_size": 1,
                    "transfer_id": pkv["transfer_id"]}
-    assert pleg.body["max_tokens"] == 1 and pleg.body["stream"] is False
-    assert "stream_options" not in pleg.body
+    # a streaming client's P leg streams too: P's token goes to the client first
+    assert pleg.body["max_tokens"] == 1 and pleg.body["stream"] is stream
+    assert ("stream_options" in pleg.body) is stream
     assert pleg.body.get("max_completion_tokens") == (1 if chat else None)
     # a streamed D leg asks for token ids (a D dying mid-stream is migrated: proxy/migrate.py)
     assert {k: v for k, v in dleg.body.items() if k != "kv_transfer_params"} == (
@@ -428,7 +433,7 @@ def test_pull_mode_is_sequential_and_forwards_prefill_kv_params(cluster: Cluster
     (pleg,), (dleg,) = p.legs, d.legs
     assert pleg.finished <= dleg.started
     assert pleg.body["kv_transfer_params"] == {"do_remote_decode": True}
-    assert pleg.body["max_tokens"] == 1 and pleg.body["stream"] is False
+    assert pleg.body["max_tokens"] == 1 and pleg.body["stream"] is True  # like the client's
     assert dleg.body["kv_transfer_params"] == {**p.pull_params, "do_remote_prefill": True}
     assert pleg.headers["x-request-id"] == dleg.headers["x-request-id"]
 
