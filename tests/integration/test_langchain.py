@@ -30,9 +30,12 @@ from langchain_core.messages import (  # noqa: E402 - after the importorskip
 )
 
 _HOSTS: list[str] = []  # every host a socket of this process resolved or connected to
+_WATCH = [False]  # while this module's tests run (an audit hook stays for the session)
 
 
 def _audit(event: str, args: tuple) -> None:
+    if not _WATCH[0]:
+        return
     if event == "socket.getaddrinfo":
         _HOSTS.append(str(args[0]))
     elif event == "socket.connect" and isinstance(args[1], tuple):
@@ -82,7 +85,9 @@ def chat(server: ServerProcess):
             seed=seed, max_tokens=max_tokens, max_retries=0, timeout=120)
 
     _HOSTS.clear()
+    _WATCH[0] = True
     yield make
+    _WATCH[0] = False
     assert _HOSTS and all(_loopback(h) for h in _HOSTS), _HOSTS
 
 
