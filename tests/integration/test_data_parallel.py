@@ -16,7 +16,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from pd_harness import wait_until
+from pd_harness import stop_all, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.launcher import ServerProcess, launch_server
@@ -44,8 +44,7 @@ def servers(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
             s.wait_healthy(300)
         yield started
     finally:
-        for s in started.values():
-            s.stop()
+        stop_all(list(started.values()))  # side by side: each drains its ranks on its own
 
 
 @pytest.fixture(scope="module")
