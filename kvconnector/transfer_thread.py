@@ -46,9 +46,14 @@ POLL_INTERVAL_S = 0.001
 _IDLE_TICK_S = 1.0  # upper bound on a sleep, so a lost wake costs at most this
 _PRUNE_EVERY_S = 1.0
 # D waiting for a WRITE polls this slowly until P's poke (kvconnector/poke.py) says one was
-# posted, then every POLL_INTERVAL_S for FAST_AFTER_POKE_S
-WAIT_POLL_S = 0.02
+# posted, then every POLL_INTERVAL_S for FAST_AFTER_POKE_S. P pokes for every notification it
+# sends D (the WRITE's completion, PUSH_FAIL, PUSH_CANCEL_ACK), so the slow poll only bounds a
+# lost poke and carries the heartbeats: at 20 ms it cost ~1 % of a core with legs waiting.
+WAIT_POLL_S = 0.25
 FAST_AFTER_POKE_S = 1.0
+# after a pass that took scheduler work (D's PUSH_REGs go out): poll fast this long, so a
+# send that needs this agent's progress leaves at once
+FAST_AFTER_WORK_S = 0.02
 _FULL_STEP_EVERY_S = 0.02  # while light ticks poll (`_light_tick`): a full pass at least this often
 
 # (decoded message, sending NIXL agent, earliest time it may have arrived)
@@ -160,7 +165,8 @@ class TransferThread:
         `notifs`: already drained by a light tick (`_light_tick`), dated like a drain now."""
         self._next_full = self.clock() + _FULL_STEP_EVERY_S
         self.peers.apply_finished()
-        self._drain_inbox()
+        if self._drain_inbox():
+            self._fast_until = max(self._fast_until, self.clock() + FAST_AFTER_WORK_S)
         # A notification first seen now was not there at the previous drain, so it was sent
         # after about then: date it so. Dating it "now" would let a P that was frozen (or
         # starved) for longer than the ttl take a stale PUSH_REG for a fresh one and WRITE
@@ -206,12 +212,15 @@ class TransferThread:
         self.step(notifs)
         return True
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> bool:
+        """Hand the scheduler's metadata to the halves; True when there was some."""
+        took = False
         while True:
             try:
                 meta = self.inbox.get_nowait()
             except queue.Empty:
-                return
+                return took
+            took = True
             for name, handle in self.inbox_routes.items():
                 for item in getattr(meta, name):
                     handle(item)

@@ -600,6 +600,8 @@ class Sender:
     def _send(self, addr: tuple[str, int], msg: bytes, agent: str | None = None) -> None:
         """Queue `msg` for D at `addr`; with `agent`, only if `addr` serves that agent."""
         self.refused += self.outbox.send(addr, msg, agent)
+        if self.poker is not None:  # D waits for it on a slow poll until poked
+            self.poker.poke(addr)
 
     def table_sizes(self) -> dict[str, int]:
         return {"p_staged": len(self.staged), "p_regs": len(self.regs),
