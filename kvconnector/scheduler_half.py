@@ -34,7 +34,8 @@ from engine.connector_api import (
 )
 from engine.protocol import SamplingParams
 from kvconnector import seed as first_token
-from kvconnector.params import KVParams
+from kvconnector import transfer_hist
+from kvconnector.params import DECODE_FLAG, KVParams
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,9 @@ class TransferScheduler(KVConnectorScheduler):
                                         "kv_recv_failed_total": 0,
                                         "kv_recompute_fallback_total": 0,
                                         "kv_first_token_seeded_total": 0,
-                                        "kv_first_token_recomputed_total": 0}
+                                        "kv_first_token_recomputed_total": 0,
+                                        **transfer_hist.initial(transfer_hist.WAIT_NAME)}
+        self._kv_wait: dict[str, float] = {}  # D leg -> when it arrived (kv_wait_seconds)
 
     def num_blocks(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -126,6 +129,8 @@ class TransferScheduler(KVConnectorScheduler):
             request.kv_params = None
             self._refused(request, str(e))
             return
+        if request.kv_params is not None and request.kv_params.flag == DECODE_FLAG:
+            self._kv_wait[request.request_id] = self.clock()
         self._arrived(request, request.kv_params)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
@@ -139,13 +144,17 @@ class TransferScheduler(KVConnectorScheduler):
                 self._seeds[rid] = token
         for rid in output.failed_recving:  # first: a failure wins over a receipt
             self._seeds.pop(rid, None)
+            self._kv_wait.pop(rid, None)
             if not self._recv_failed(rid):
                 continue
             self.stats["kv_recv_failed_total"] += 1
             if self.load_failure_policy == "recompute":
                 self.stats["kv_recompute_fallback_total"] += 1
+        now = self.clock()
         for rid in output.finished_recving:
             self.stats["kv_remote_prefill_tokens_total"] += self._recv_done(rid)
+            if (since := self._kv_wait.pop(rid, None)) is not None:
+                transfer_hist.observe(self.stats, now - since, transfer_hist.WAIT_NAME)
         for rid in output.finished_sending:
             self._held.discard(rid)
 

@@ -64,6 +64,8 @@ COUNTERS: dict[str, str] = {
 # kv_transfer_seconds: the push halves report no _count; each WRITE is one observation.
 SUMMARIES: dict[str, tuple[str, str]] = {
     "kv_transfer_seconds": ("Time spent moving KV between engines.", "kv_push_writes_total"),
+    "kv_wait_seconds": ("D: a leg's wait for its KV, from its arrival at the scheduler to the "
+                        "KV landing.", "kv_wait_seconds_count"),
 }
 
 

@@ -38,7 +38,7 @@ from proxy.flow import ClientGone, Dispatcher, RequestContext
 from proxy.kv_info import KVInfoCache
 from proxy.kv_subscriber import EventSubscriber
 from proxy.legs import CHAT, COMPLETIONS, ROUTE_PATHS, new_id
-from proxy.metrics import CONTENT_TYPE, ProxyMetrics
+from proxy.metrics import CONTENT_TYPE, HopMiddleware, ProxyMetrics
 from proxy.passthrough import GET_ROUTES, POST_ROUTES, from_decode
 from proxy.relay import wait_for_disconnect
 from proxy.routing import build_router
@@ -303,6 +303,7 @@ def build_app(config: ProxyConfig) -> FastAPI:
     app = FastAPI(title="pdserve proxy", lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.proxy = state
+    app.add_middleware(HopMiddleware, metrics=state.metrics)  # pdserve:proxy_hop_seconds
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

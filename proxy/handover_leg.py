@@ -19,6 +19,7 @@ import aiohttp
 from proxy.backends import BackendPool, Lease
 from proxy.errors import backend_error_body
 from proxy.legs import PrefillResult, encode, record_connection_failure
+from proxy.metrics import mark_backend_byte, mark_leg_sent
 
 _DONE = b"data: [DONE]"
 
@@ -94,6 +95,7 @@ async def run_prefill_stream(
 ) -> PrefillResult:
     url = lease.url
     try:
+        mark_leg_sent()
         async with client.post(url + path, data=encode(body), headers=headers,
                                timeout=timeout) as resp:
             if resp.status != 200:
@@ -106,6 +108,7 @@ async def run_prefill_stream(
                     buffer += raw
                     while b"\n\n" in buffer:
                         event, buffer = buffer.split(b"\n\n", 1)
+                        mark_backend_byte()  # P's head is relayed as it arrives
                         leg.feed(event + b"\n\n")
     except TimeoutError as exc:
         pool.record_failure(lease.backend, "timeout", unreachable=False)

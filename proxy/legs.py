@@ -21,6 +21,7 @@ from kvconnector.params import DECODE_FLAG, PREFILL_FLAG, PrefillLeg, PushDecode
 from proxy.backends import BackendPool, Lease
 from proxy.errors import ProxyError, backend_error_body
 from proxy.kv_info import PrefillCoordinates
+from proxy.metrics import mark_backend_byte, mark_leg_sent
 
 CHAT = "chat"
 COMPLETIONS = "completions"
@@ -149,9 +150,11 @@ async def run_prefill_leg(
 ) -> PrefillResult:
     url = lease.url
     try:
+        mark_leg_sent()
         async with client.post(url + path, data=encode(body), headers=headers,
                                timeout=timeout) as resp:
             status, content = resp.status, await resp.read()
+            mark_backend_byte()
     except TimeoutError as exc:  # aiohttp's timeouts are TimeoutErrors (before ClientError)
         pool.record_failure(lease.backend, "timeout", unreachable=False)
         return PrefillResult(url, None, b"", f"timed out ({type(exc).__name__})")
@@ -243,6 +246,7 @@ async def open_decode_leg(
     resp: aiohttp.ClientResponse | None = None
     try:
         try:
+            mark_leg_sent()
             resp = await client.post(url + path, data=encode(body), headers=headers,
                                      timeout=timeout)
         except TimeoutError as exc:
@@ -263,6 +267,7 @@ async def open_decode_leg(
             record_connection_failure(pool, lease, exc)
             raise ProxyError(502, f"request {request_id}: decode backend {url} broke off: "
                              f"{type(exc).__name__}: {exc}", code="decode_failed") from exc
+        mark_backend_byte()
         return DecodeStream(lease, resp, chunks, first)
     except BaseException:
         if resp is not None:

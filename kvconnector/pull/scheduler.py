@@ -163,6 +163,7 @@ class PullScheduler(TransferScheduler):
     def request_finished(self, request: TransferRequest, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        self._kv_wait.pop(rid, None)  # a leg whose KV never landed
         self._seeds.pop(rid, None)
         if rid in self._reading:  # D: the READ may still land in these blocks
             del self._reading[rid]

@@ -98,6 +98,7 @@ class PushScheduler(TransferScheduler):
     def request_finished(self, request: TransferRequest, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        self._kv_wait.pop(rid, None)  # a leg whose KV never landed
         params = request.kv_params
         self._asked.discard(rid)
         self._deadlines.pop(rid, None)

@@ -176,3 +176,43 @@ def test_grafana_dashboard_queries_name_live_series(dep):
                for role in (("proxy",) if n.startswith("pdserve:proxy_") else ("P", "D"))
                if n not in exported[role]]
     assert missing == []
+
+
+def test_each_phase_of_a_request_is_counted(dep):
+    """Issue 28 item 5: one streamed request through the push proxy is counted by every phase's
+    histogram (P's queue and prefill, the KV transfer on P, D's wait for KV, the proxy's hop)
+    and the phases on the path to the client's first byte (P's queue, P's prefill, the proxy's
+    dispatch and relay) sum to no more than the TTFT the client saw; the transfer sits inside
+    D's wait."""
+    import json
+    import time
+
+    p_phases = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                "pdserve:kv_transfer_seconds")
+    where = {**dict.fromkeys(p_phases, dep.p), "pdserve:kv_wait_seconds": dep.d,
+             "pdserve:proxy_hop_seconds": dep.proxy}
+
+    def read() -> dict[str, tuple[float, float]]:
+        return {n: (metric(s, n + "_count"), metric(s, n + "_sum")) for n, s in where.items()}
+
+    before = read()
+    body = {"model": "m", "prompt": PROMPT * 4, "max_tokens": 4, "stream": True}
+    started, ttft = time.monotonic(), None
+    with httpx.stream("POST", dep.proxy.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if ttft is None and line.startswith("data: {"):
+                ttft = time.monotonic() - started
+                assert json.loads(line[6:])["choices"]
+    assert ttft is not None
+    # one each (the hop: its dispatch and relay parts); P and D record theirs on their own time
+    want = {n: 2 if n == "pdserve:proxy_hop_seconds" else 1 for n in where}
+    wait_until(lambda: all(read()[n][0] - before[n][0] >= k for n, k in want.items()), 30,
+               "every phase histogram to count the request")
+    after = read()
+    took = {n: after[n][1] - before[n][1] for n in where}
+    assert all(after[n][0] - before[n][0] == k for n, k in want.items()), (before, after)
+    on_path = (took["vllm:request_queue_time_seconds"] + took["vllm:request_prefill_time_seconds"]
+               + took["pdserve:proxy_hop_seconds"])
+    assert 0 < on_path <= ttft, (took, ttft)
+    assert 0 < took["pdserve:kv_transfer_seconds"] <= took["pdserve:kv_wait_seconds"], took
