@@ -42,6 +42,7 @@ class WorkerInfo(msgspec.Struct, array_like=True):
     num_kv_heads: int
     torch_threads: int
     kv_binding: KVBinding | None = None  # what its connector worker half bound
+    collectives: str = "gloo"  # the TP layers' all-reduce: "shm" (shm_collectives) or "gloo"
 
 
 class WorkerReady(msgspec.Struct, array_like=True, tag=True):

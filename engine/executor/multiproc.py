@@ -17,7 +17,9 @@ completes): it raises WorkerDied naming the worker. Nothing waits without a boun
 
 Rendezvous: the ranks meet through a torch FileStore in a private (0700) directory of this
 process, removed at shutdown — no TCP store, nothing listening on any interface; gloo's own
-sockets are put on the loopback interface (worker_proc.py).
+sockets are put on the loopback interface (worker_proc.py). On CPU the ranks' hot-path
+all-reduce / all-gather runs over a shared segment this process creates (mode 0600, unlinked
+once every rank has mapped it, and again at shutdown; shm_collectives.py).
 
 Thread ownership: every method but `failure` / the monitor runs on the engine-core thread.
 """
@@ -44,6 +46,7 @@ from engine.connector_seam import KVBinding, KVConnectorOutput
 from engine.executor import messages as m
 from engine.executor.kv_outputs import KVOutputAggregator
 from engine.executor.shm_broadcast import RingGone, ShmReader, ShmWriter
+from engine.executor.shm_collectives import create_segment, remove_segment
 from engine.executor.worker_proc import worker_main
 from engine.models import load_arch
 from engine.models.parallel import check_tp
@@ -95,6 +98,8 @@ class MultiprocExecutor:
         threads = max(1, torch.get_num_threads() // self.tp_size)
         self._store_dir = tempfile.mkdtemp(prefix="pdserve-tp-")  # 0700: ours alone
         store = os.path.join(self._store_dir, "rendezvous")
+        self._comm_path = (None if config.device.startswith("cuda")
+                           else create_segment(self._store_dir, self.tp_size))
         handle = m.encode(self.broadcast.handle)
         self.procs: list[multiprocessing.process.BaseProcess] = []
         ready_pipes, response_bells = [], []
@@ -105,7 +110,8 @@ class MultiprocExecutor:
                 proc = ctx.Process(
                     target=worker_main, name=f"TPWorker_{rank}", daemon=False,
                     args=(config_to_dict(config), rank, self.tp_size, store, threads, handle,
-                          bells[rank][0], resp_send, ready_send, logging.getLogger().level))
+                          bells[rank][0], resp_send, ready_send, logging.getLogger().level,
+                          self._comm_path))
                 proc.start()
                 ready_send.close()
                 self.procs.append(proc)
@@ -114,6 +120,7 @@ class MultiprocExecutor:
         try:
             self.responses = [ShmReader(r.response_handle, 0, response_bells[r.rank])
                               for r in self._wait_ready(ready_pipes)]
+            remove_segment(self._comm_path)  # every rank has it mapped: no name left behind
             self.infos: list[m.WorkerInfo] = self.collective_rpc("describe")
         except BaseException:
             self.shutdown()
@@ -125,8 +132,9 @@ class MultiprocExecutor:
         self._monitor = threading.Thread(target=self._watch_workers, name="TPWorkerMonitor",
                                          daemon=True)
         self._monitor.start()
-        logger.info("tensor parallel: %d workers ready (pids %s, %d torch thread(s) each)",
-                    self.tp_size, self.worker_pids, threads)
+        logger.info("tensor parallel: %d workers ready (pids %s, %d torch thread(s) each, "
+                    "%s collectives)", self.tp_size, self.worker_pids, threads,
+                    "/".join(sorted({i.collectives for i in self.infos})))
 
     def _wait_ready(self, pipes: list) -> list[m.WorkerReady]:
         """Every worker's WorkerReady, in rank order; raises on a failure, death or timeout."""
@@ -300,5 +308,6 @@ class MultiprocExecutor:
         for r in getattr(self, "responses", []):
             r.close(unlink=True)  # a killed worker cannot; after a clean exit it is a no-op
         self.broadcast.close()
+        remove_segment(self._comm_path)
         shutil.rmtree(self._store_dir, ignore_errors=True)
 

@@ -4,7 +4,9 @@ Startup (seed order), each step a start-up stage with a deadline (engine/startup
 join the torch.distributed process group (`rendezvous`: gloo on CPU, nccl on CUDA, through a
 FileStore in the executor's private directory; gloo's and nccl's sockets on the loopback
 interface — nothing of the group is reachable from another host), build this rank's model
-shard and KV memory (`model`) and connector half (`kv_connector`), create the response ring,
+shard and KV memory (`model`; on CPU the rank also maps the executor's shared segment, whose
+all-reduce / all-gather the TP layers use instead of gloo's: shm_collectives.py) and
+connector half (`kv_connector`), create the response ring,
 then report `WorkerReady` (with the ring's handle) over the ready pipe (`ready`) — or
 `WorkerFailed` with the error. Then the busy loop: read one RPC from the broadcast ring, run
 it, answer on the response ring when this rank is the one asked (or all are).
@@ -36,7 +38,7 @@ from engine.connector_api import KVCacheSpec
 from engine.connector_registry import make_worker_half
 from engine.executor import messages as m
 from engine.executor.shm_broadcast import RingGone, RingHandle, ShmReader, ShmWriter
-from engine.models.parallel import Collectives
+from engine.executor.shm_collectives import GLOO, make_collectives
 from engine.runner_output import ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
 from engine.startup import StartupWatch, freeze_startup_objects, heartbeat_interval
@@ -51,13 +53,15 @@ class Worker:
     """The RPC surface of one rank: every method named in messages.RPC_TYPES."""
 
     def __init__(self, config: EngineConfig, rank: int, tp_size: int,
-                 watch: StartupWatch) -> None:
+                 watch: StartupWatch, comm_path: str | None = None) -> None:
         from engine.runner.model_runner import ModelRunner
 
         self.rank = rank
-        with watch.stage("model"):
-            self.runner = ModelRunner(config, tp_rank=rank, tp_size=tp_size,
-                                      comm=Collectives(all_reduce, all_gather))
+        with watch.stage("model"):  # (may build the kernels, the collectives' among them)
+            comm, self.comm_kind = ((GLOO, "gloo") if config.device.startswith("cuda") else
+                                    make_collectives(comm_path, rank, tp_size,
+                                                     config.step_timeout_s))
+            self.runner = ModelRunner(config, tp_rank=rank, tp_size=tp_size, comm=comm)
         # P/D: this rank's connector worker half (its own NIXL agent, side channel and
         # transfer thread) over this rank's KV memory; the scheduler half is in EngineCore.
         with watch.stage("kv_connector"):
@@ -88,7 +92,7 @@ class Worker:
                             num_kv_heads=r.model.num_kv_heads,
                             torch_threads=torch.get_num_threads(),
                             kv_binding=None if self.connector is None
-                            else self.connector.binding())
+                            else self.connector.binding(), collectives=self.comm_kind)
 
     def num_requests(self, _: None) -> int:
         return self.runner.num_requests
@@ -96,19 +100,6 @@ class Worker:
     def shutdown(self, _: None) -> None:
         if self.connector is not None:
             self.connector.shutdown()
-
-
-def all_reduce(t: torch.Tensor) -> torch.Tensor:
-    """Sum over the TP group, in place (gloo on CPU, nccl on CUDA)."""
-    dist.all_reduce(t)
-    return t
-
-
-def all_gather(t: torch.Tensor) -> torch.Tensor:
-    """[N, k] on each rank -> [N, T*k], ranks side by side."""
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t)
-    return torch.cat(parts, dim=-1)
 
 
 def _loopback_only(backend: str) -> None:
@@ -140,7 +131,7 @@ def _watch_parent() -> None:
 def worker_main(config: dict[str, Any], rank: int, tp_size: int, store_path: str,
                 threads: int, broadcast: bytes, broadcast_bell: Connection,
                 response_bell: Connection, ready: Connection,
-                log_level: int = logging.INFO) -> None:
+                log_level: int = logging.INFO, comm_path: str | None = None) -> None:
     """Entry point of the spawned worker. Never returns."""
     logging.basicConfig(level=log_level, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s [TPWorker_{rank} pid=%(process)d] "
@@ -167,7 +158,7 @@ def worker_main(config: dict[str, Any], rank: int, tp_size: int, store_path: str
             _loopback_only(backend)
             dist.init_process_group(backend, store=dist.FileStore(store_path, tp_size),
                                     rank=rank, world_size=tp_size)
-        worker = Worker(cfg, rank, tp_size, watch)
+        worker = Worker(cfg, rank, tp_size, watch, comm_path)
         reader = ShmReader(msgspec.msgpack.decode(broadcast, type=RingHandle), rank,
                            broadcast_bell)
         response = ShmWriter(1, [response_bell], num_slots=_RESPONSE_SLOTS)

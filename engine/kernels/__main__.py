@@ -12,6 +12,9 @@ from engine.kernels.linear import recalibrate, skinny_rows
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine.kernels.shm_comm import compiled_shm
+
+    compiled_shm()  # the TP ranks' shared-memory collectives (a module of its own)
     mod = compiled()
     if mod is None:
         print(f"CPU kernels: NOT available ({cached_path()[1]})")

@@ -1,0 +1,149 @@
+"""The TP ranks' shared-memory all-reduce / all-gather (engine/executor/shm_collectives.py,
+engine/kernels/shm_comm.cpp), in two real processes: bit-equal to gloo on every shape and
+dtype the TP layers use, identical on both ranks; a dead or absent peer makes the waiting
+rank raise (never spin forever); the segment is private and leaves no name behind.
+
+The ranks are this file run as a script (`_rank_main`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+from pd_harness import wait_until
+
+# (op, shape, dtype): decode and prefill sizes of the TP layers' activations (hidden 512 /
+# the tiny model's 64), the logits' all-gather, odd sizes, and sizes above one 2 MiB slot.
+CASES = [(op, shape, dt) for dt in ("float32", "bfloat16") for op, shape in (
+    ("reduce", [1, 512]), ("reduce", [64, 512]), ("reduce", [1024, 512]),
+    ("reduce", [2048, 512]), ("reduce", [4096, 512]), ("reduce", [3, 65]),
+    ("reduce", [7, 64]), ("gather", [1, 4096]), ("gather", [64, 4096]),
+    ("gather", [300, 4096]), ("gather", [5, 33]), ("gather", [0, 16]))]
+
+
+def _rank_main(mode: str, rank: int, path: str, out: str, arg: str) -> None:
+    import hashlib
+
+    import torch
+
+    from engine.kernels.shm_comm import compiled_shm
+
+    if mode != "equal":  # "dead" / "absent": the raw kernel, rank 1 never arrives
+        comm = compiled_shm().ShmComm(path, rank, 2, 2 << 20, float(arg))
+        with open(out + ".ready", "w"):
+            pass
+        if rank == 1:
+            signal.pause()
+        t0 = time.monotonic()
+        try:
+            comm.all_reduce(torch.ones(1024))
+            result = {"raised": None}
+        except RuntimeError as e:
+            result = {"raised": str(e)}
+        result["waited_s"] = time.monotonic() - t0
+        with open(out, "w") as f:
+            json.dump(result, f)
+        return
+    import torch.distributed as dist
+
+    from engine.executor.shm_collectives import GLOO, make_collectives
+
+    dist.init_process_group("gloo", store=dist.FileStore(arg, 2), rank=rank, world_size=2)
+    comm, kind = make_collectives(path, rank, 2, 60.0)
+    results = []
+    for i, (op, shape, dt) in enumerate(CASES):
+        gen = torch.Generator().manual_seed(1000 * i + rank)
+        x = torch.randn(shape, generator=gen).to(getattr(torch, dt))
+        if op == "reduce":
+            want, got = GLOO.all_reduce(x.clone()), comm.all_reduce(x.clone())
+        else:
+            want, got = GLOO.all_gather(x.clone()), comm.all_gather(x.clone())
+        results.append({"equal": bool(torch.equal(want, got)) and want.dtype == got.dtype,
+                        "sha": hashlib.sha256(got.contiguous().view(torch.uint8)
+                                              .numpy().tobytes()).hexdigest()})
+    # A dtype the segment does not take goes through gloo, still summed.
+    other = torch.full((8, 16), float(rank + 1), dtype=torch.float64)
+    results.append({"equal": bool((comm.all_reduce(other) == 3.0).all()), "sha": ""})
+    with open(out, "w") as f:
+        json.dump({"kind": kind, "results": results}, f)
+    dist.destroy_process_group()
+
+
+def _spawn(mode: str, rank: int, path: str, out: str, arg: str) -> subprocess.Popen:
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # pd_harness
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), tests])}
+    return subprocess.Popen([sys.executable, __file__, mode, str(rank), path, out, arg],
+                            env=env)
+
+
+@pytest.fixture
+def segment(tmp_path):
+    from engine.executor.shm_collectives import create_segment, remove_segment
+
+    path = create_segment(str(tmp_path), 2)
+    assert path is not None
+    yield path
+    remove_segment(path)
+
+
+def test_segment_is_private_reserved_and_removable(segment, tmp_path):
+    from engine.executor.shm_collectives import remove_segment, segment_bytes
+
+    st = os.stat(segment)
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+    assert st.st_size == segment_bytes(2)
+    assert st.st_blocks * 512 >= segment_bytes(2)  # reserved: a full tmpfs fails here, not later
+    remove_segment(segment)
+    assert not os.path.exists(segment)
+
+
+def test_shm_all_reduce_and_all_gather_equal_gloo_bit_for_bit_on_both_ranks(segment, tmp_path):
+    outs = [str(tmp_path / f"rank{r}.json") for r in (0, 1)]
+    procs = [_spawn("equal", r, segment, outs[r], str(tmp_path / "store")) for r in (0, 1)]
+    assert [p.wait(timeout=240) for p in procs] == [0, 0]
+    got = [json.load(open(o)) for o in outs]
+    assert [g["kind"] for g in got] == ["shm", "shm"]
+    for case, a, b in zip([*CASES, "float64 via gloo"], *(g["results"] for g in got),
+                          strict=True):
+        assert a["equal"] and b["equal"], case  # each rank: shm == gloo
+        assert a["sha"] == b["sha"], case  # and both ranks hold the same bytes
+
+
+@pytest.mark.parametrize("mode", ["dead", "absent"])
+def test_waiting_rank_raises_when_its_peer_is_dead_or_never_arrives(mode, segment, tmp_path):
+    """dead: rank 1 is SIGKILLed while rank 0 waits (deadline 120 s): rank 0 raises within
+    seconds naming the gone peer. absent: rank 1 lives but never arrives (deadline 1 s)."""
+    outs = [str(tmp_path / f"rank{r}.json") for r in (0, 1)]
+    deadline = "120" if mode == "dead" else "1"
+    procs = [_spawn(mode, r, segment, outs[r], deadline) for r in (1, 0)]
+    try:
+        wait_until(lambda: all(os.path.exists(o + ".ready") for o in outs), timeout=120,
+                   what="both ranks mapped the segment")
+        if mode == "dead":
+            procs[0].send_signal(signal.SIGKILL)
+            procs[0].wait(timeout=30)
+        killed = time.monotonic()
+        assert procs[1].wait(timeout=60) == 0
+        waited = time.monotonic() - killed
+        result = json.load(open(outs[0]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if mode == "dead":
+        assert "tensor-parallel rank 1" in result["raised"] and "is gone" in result["raised"]
+        assert waited < 10, waited
+    else:
+        assert "did not reach collective round 1 within 1s" in result["raised"]
+        assert 1.0 <= result["waited_s"] < 10, result
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:6])
