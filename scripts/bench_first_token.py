@@ -71,6 +71,18 @@ def _stream(url: str, body: dict) -> tuple[float, float | None]:
     return first - t0, None if second is None else second - first
 
 
+def _hop(url: str) -> dict[str, float]:
+    """The proxy's own share of the first bytes (pdserve:proxy_hop_seconds): mean ms per part."""
+    sums: dict[str, float] = {}
+    for ln in httpx.get(f"{url}/metrics").text.splitlines():
+        if ln.startswith("pdserve:proxy_hop_seconds_sum") or ln.startswith(
+                "pdserve:proxy_hop_seconds_count"):
+            key = ln.split("{", 1)[0].rsplit("_", 1)[1] + ln.split('part="', 1)[1].split('"')[0]
+            sums[key] = float(ln.rsplit(" ", 1)[1])
+    return {part: round(sums[f"sum{part}"] / sums[f"count{part}"] * 1e3, 3)
+            for part in ("dispatch", "relay") if sums.get(f"count{part}")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=".models/bench-llama")
@@ -91,11 +103,15 @@ def main() -> None:
         port = free_port()
         proxy = ServerProcess([sys.executable, "-m", "proxy", "--host", "127.0.0.1", "--port",
                                str(port), "--mode", "push", "--prefill", p.url, "--decode",
-                               d.url, "--log-level", "warning"], "127.0.0.1", port,
+                               d.url, "--log-level", "warning",
+                               # a pinned engine on a loaded host answers health checks late:
+                               # it must not leave rotation (a 503) in the middle of a round
+                               "--health-timeout", "30"], "127.0.0.1", port,
                               {**os.environ, **env}, None)
         procs.append(proxy)
         proxy.wait_healthy(60)
         rng = random.Random(28)
+        load_start = os.getloadavg()
         results: dict = {}
         for n in a.lengths:
             rows: dict[str, list] = {m: [] for m in MODES}
@@ -128,7 +144,8 @@ def main() -> None:
         model_name = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines()
                            if ln.startswith("Model name")), platform.processor())
         out = {"model": a.model, "pinned": a.pin, "rounds": a.rounds, "cpu": model_name,
-               "loadavg_at_end": os.getloadavg(), "d_seeded_total": seeded,
+               "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg(),
+               "d_seeded_total": seeded, "proxy_hop": _hop(proxy.url),
                "results": results}
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
         with open(a.out, "w") as f:
