@@ -180,6 +180,18 @@ class Dispatcher:
         p_lease = self.router.lease_prefill(route, view)
         if p_lease is None:
             return await self._decode_alone(ctx, self._no_healthy(ctx, self.prefill))
+        d_lease = self.router.take_decode(route)  # before any await, as in _push
+        if d_lease is None:
+            p_lease.release()
+            raise self._no_healthy(ctx, self.decode)
+        try:
+            return await self._pull_legs(ctx, view, p_lease, d_lease)
+        except BaseException:
+            d_lease.release()  # idempotent: a leg that took it over released it too
+            raise
+
+    async def _pull_legs(self, ctx: RequestContext, view: RequestView, p_lease: Lease,
+                         d_lease: Lease) -> Response:
         coords = await self._kv_info(ctx, p_lease, self.kv_info.get_optional(p_lease.url))
         if coords is not None:  # P's answer names the rank's side channel itself
             pin_prefill_rank(p_lease, coords)
@@ -199,9 +211,7 @@ class Dispatcher:
         error = self._judge(ctx, result)
         if error is not None:
             raise error
-        d_lease = self.router.lease_decode(route, view, p_lease)
-        if d_lease is None:
-            raise self._no_healthy(ctx, self.decode)
+        self.router.account_decode(view, d_lease, p_lease)
         d_body = decode_leg_body(ctx.body, kv_params)
         opening = self._spawn_decode(ctx, d_lease, d_body)
         # P's answer alone when its token ends the request, else P's token first
