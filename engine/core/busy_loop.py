@@ -142,11 +142,13 @@ class EngineCoreLoop:
         if outputs.outputs or outputs.finished_requests:
             outputs.engine_index = self.engine_index
             self.output_queue.put_nowait(outputs)
-        elif (time.perf_counter() - started < _EMPTY_STEP_S
-              or (self._woken and not self.core.scheduler.running)):
-            # Work exists but nothing could run (e.g. waiting for remote KV): give the
-            # connector / I/O threads the GIL instead of spinning, and wake on new input.
-            self._handle_next(_IDLE_WAIT_S if self._woken else _EMPTY_STEP_S)
+        elif self._woken and self.core.scheduler.only_parked():
+            # Every request waits for remote KV: the connector wakes the loop when it lands.
+            self._handle_next(_IDLE_WAIT_S)
+        elif time.perf_counter() - started < _EMPTY_STEP_S:
+            # Work exists but nothing could run (KV that just landed is scheduled next step):
+            # give the connector / I/O threads the GIL instead of spinning.
+            self._handle_next(_EMPTY_STEP_S)
 
     def _handle_next(self, timeout: float) -> None:
         """Handle the next input if one arrives within `timeout` seconds."""

@@ -143,6 +143,14 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
 
+    def only_parked(self) -> bool:
+        """True when no step can run anything now: every unfinished request waits for remote
+        KV that has not landed, and no output or finished id waits to be reported (the busy
+        loop then sleeps until the connector wakes it)."""
+        return (not self.running and not self.remote_kv.finished_recving
+                and not self._pending_outputs and not self._finished_req_ids
+                and all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.waiting))
+
     def has_work(self) -> bool:
         """True while a step would do or report anything (drives the busy loop)."""
         return (
