@@ -71,11 +71,22 @@ def check_streams_exact(dep: Deployment) -> None:
             assert len(roles) == (path == CHAT)
             if path == CHAT:
                 assert _plain(via[0]) == _plain(colocated[0])  # the role chunk first
-            assert _plain(_content(via)[0]) == _plain(_content(colocated)[0]), (via, colocated)
+            _same_first_token(_content(via)[0], _content(colocated)[0])
             flat_via, flat_colocated = flatten(via), flatten(colocated)
             for flat in (flat_via, flat_colocated):
                 flat["usage"].pop("prompt_tokens_details", None)  # D's own prefix cache
             assert flat_via == flat_colocated and flat_via["logprobs"]
+
+
+def _same_first_token(via: dict[str, Any], colocated: dict[str, Any]) -> None:
+    """Token 1's chunk (P's) is colocated's first chunk - whole, unless colocated's frontend
+    coalesced more tokens into it behind a slow reader (a loaded host): then its start."""
+    one, ref = flatten([via]), flatten([colocated])
+    assert len(one["logprobs"]) == 1, via
+    if len(ref["logprobs"]) == 1:
+        assert _plain(via) == _plain(colocated), (via, colocated)
+    else:
+        assert ref["text"].startswith(one["text"]) and ref["logprobs"][0] == one["logprobs"][0]
 
 
 def check_stream_stop_on_first_token(dep: Deployment) -> None:
