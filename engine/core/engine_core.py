@@ -135,6 +135,11 @@ class EngineCore:
             "num_running_reqs": sched.num_running_reqs,
             "num_waiting_reqs": sched.num_waiting_reqs,
             "kv_cache_usage": sched.kv_cache_usage,
+            # the scrape replaces the step's snapshot with this answer: the cumulative
+            # counters must be here too, or vllm:prefix_cache_* / num_preemptions read 0
+            "prefix_cache_queries": sched.prefix_cache_queries,
+            "prefix_cache_hits": sched.prefix_cache_hits,
+            "num_preemptions": sched.num_preemptions,
             "kv_connector": self.connector_stats(),
             "num_kv_blocks": self.num_kv_blocks,
             "num_free_blocks": self.scheduler.kv_cache_manager.num_free_blocks,

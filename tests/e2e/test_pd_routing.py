@@ -122,3 +122,34 @@ def test_a_short_follow_up_runs_on_d_alone_and_equals_colocated(cluster, referen
     after = _samples(proxy, "pdserve:proxy_routing_decisions_total")
     key = (("policy", "kv-aware"), ("reason", "short_uncached"))
     assert after[key] == before.get(key, 0) + 1
+
+
+def _d_metric(d: ServerProcess, name: str) -> float:
+    text = httpx.get(f"{d.url}/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name)
+
+
+def test_d_alone_hits_its_cache_of_the_received_kv_and_its_own_answer(cluster):
+    """D keeps what P pushed and what it decoded in its prefix cache: a D-alone follow-up
+    computes only its new tokens (usage's cached_tokens), and vllm:prefix_cache_hits (read
+    0 on every scrape before: /metrics replaced the step's stats without it) counts them."""
+    (_, _, d), proxy = cluster
+    rng = random.Random(7)
+    c1 = [rng.randrange(4, 2000) for _ in range(96)]
+    assert _turn(proxy, c1)[0] != ""  # disaggregated: D received all 96 tokens' KV from P
+    r = httpx.post(f"{proxy.url}/v1/completions", timeout=120, json={
+        "model": "m", "prompt": c1, "max_tokens": 17, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True, "stream": True})
+    answer = [t for line in r.text.splitlines() if line.startswith("data: {")
+              for c in json.loads(line[6:])["choices"] for t in c.get("token_ids") or []]
+    assert len(answer) == 17
+    hits = _d_metric(d, "vllm:prefix_cache_hits_total")
+    c2 = c1 + answer + [rng.randrange(4, 2000) for _ in range(5)]  # 118 tokens
+    r = httpx.post(f"{d.url}/v1/completions", timeout=120, json={
+        "model": "m", "prompt": c2, "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    # 96 received + 16 of its own answer (the 17th was never computed): 7 full blocks
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 112
+    assert _d_metric(d, "vllm:prefix_cache_hits_total") - hits == 112
+    assert _d_metric(d, "vllm:prefix_cache_queries_total") >= len(c2)
