@@ -35,6 +35,7 @@ def _rank(rank: int, path: str, store: str, out: str, rounds: int, iters: int,
     from engine.executor.shm_collectives import GLOO, make_collectives
 
     torch.set_num_threads(threads)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # as the engine's ranks (worker_proc.py)
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
     shm, kind = make_collectives(path, rank, 2, 60.0)
     assert kind == "shm", "the shared-memory collectives did not attach"
@@ -82,7 +83,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-tp-comm-") as tmp:
         path = create_segment(tmp, 2)
         res = os.path.join(tmp, "rows.json")
-        env = {**os.environ, "PYTHONPATH": os.getcwd()}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [os.getcwd(), *filter(None, [os.environ.get("PYTHONPATH")])])}
         procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), path,
                                    os.path.join(tmp, "store"), res, str(args.rounds),
                                    str(args.iters), str(args.threads)], env=env)
