@@ -13,13 +13,14 @@ prompt per topology). Rounds are interleaved: turn t of every policy's conversat
 policies in a rotating order, before turn t+1 — so the machine's load hits every policy
 alike; within a batch the conversations go in a random order. A turn is the history
 (system prompt, earlier user turns and the answers D streamed back, their token ids read
-from the streamed logprobs) plus `--user-tokens` new tokens.
+from the stream's `token_ids`, vLLM's return_token_ids: exactly what D computed, so its
+prefix cache can hold the answer) plus `--user-tokens` new tokens.
 
 Prefill tokens computed per request: each policy's proxy counts the prompt tokens the engine
 it chose computes (pdserve:proxy_computed_prompt_tokens_total: P's uncached part of a pair,
 D's of D alone), from its index of every engine's cache, rebuilt from their KV events; read
-before and after each of its batches. (The engines' vllm:prefix_cache_queries/_hits series
-read 0 at the time of writing, so they cannot serve.)
+before and after each of its batches. (The engines' vllm:prefix_cache_queries/_hits count
+only a hit's own engine's tokens, so they tell the same from the engines' side.)
 
 The sweep (`--sweep`): fresh (uncached) prompts of each length, D alone vs disaggregated,
 interleaved, while `--sweep-background` long decodes run on D; the crossover (the shortest
@@ -172,7 +173,7 @@ async def stream_turn(client: httpx.AsyncClient, url: str, prompt: list[int], ma
                       vocab: dict[str, int]) -> tuple[float, list[int], bool]:
     """(TTFT, the answer's token ids, ok) of one streamed greedy completion."""
     body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "logprobs": 0, "ignore_eos": True}
+            "stream": True, "return_token_ids": True, "ignore_eos": True}
     sent, ttft, answer = time.perf_counter(), None, []
     async with client.stream("POST", url + "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
@@ -180,11 +181,12 @@ async def stream_turn(client: httpx.AsyncClient, url: str, prompt: list[int], ma
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            choice = json.loads(line[6:])["choices"][0]
-            tokens = (choice.get("logprobs") or {}).get("tokens") or []
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            # the ids, not the text: a text decoded from several ids maps back to one of them
+            tokens = choices[0].get("token_ids") or []
             if tokens and ttft is None:
                 ttft = time.perf_counter() - sent
-            answer += [vocab.get(t, TOKEN_LO) for t in tokens]
+            answer += tokens
     return (ttft or 0.0), answer, ttft is not None
 
 
