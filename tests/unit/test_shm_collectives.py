@@ -145,5 +145,26 @@ def test_waiting_rank_raises_when_its_peer_is_dead_or_never_arrives(mode, segmen
         assert 1.0 <= result["waited_s"] < 10, result
 
 
+def test_tp2_engine_runs_on_the_shared_segment_and_leaves_no_name(tiny_model):
+    """Both ranks of a TP=2 engine report the shared-memory path; the segment's name is gone
+    once they are ready (each holds its mapping), and TP=2 greedy equals TP=1 on it."""
+    from engine import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tp2 = LLM(tiny_model, num_kv_blocks=64, multiprocess=False, tensor_parallel_size=2)
+    try:
+        executor = tp2.engine.client.core.executor
+        assert [i.collectives for i in executor.infos] == ["shm", "shm"]
+        assert executor._comm_path.startswith("/dev/shm/")  # noqa: SLF001
+        assert not os.path.exists(executor._comm_path)  # noqa: SLF001
+        got = tp2.generate(["shared memory"], greedy, use_tqdm=False)
+    finally:
+        tp2.shutdown()
+    tp1 = LLM(tiny_model, num_kv_blocks=64, multiprocess=False)
+    want = tp1.generate(["shared memory"], greedy, use_tqdm=False)
+    tp1.shutdown()
+    assert list(got[0].outputs[0].token_ids) == list(want[0].outputs[0].token_ids)
+
+
 if __name__ == "__main__":
     _rank_main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:6])
