@@ -24,6 +24,8 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w);
 int64_t fma_lanes();
 std::string fma_isa();
 double fma_seconds(int64_t threads, int64_t iters);
+int64_t fma_chains();
+double clock_seconds(int64_t threads, int64_t iters);
 bool has_bf16_dot();
 double bf16_dot_seconds(int64_t threads, int64_t iters);
 double read_seconds(torch::Tensor buf, int64_t threads);
@@ -71,7 +73,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_isa", &set_isa, "run the kernels on this path (one of isa_paths())");
   m.def("fma_lanes", &fma_lanes, "float32 lanes of the roofline FMA loop's vectors");
   m.def("fma_isa", &fma_isa, "instruction set of the roofline FMA loop");
-  m.def("fma_seconds", &fma_seconds, "roofline: seconds for iters x 16 vector FMAs per thread",
+  m.def("fma_seconds", &fma_seconds, "roofline: seconds for iters x fma_chains() FMAs per thread",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("fma_chains", &fma_chains, "independent FMA chains per thread of fma_seconds");
+  m.def("clock_seconds", &clock_seconds,
+        "roofline: seconds for iters x 8 dependent integer adds per thread (the clock)",
         py::call_guard<py::gil_scoped_release>());
   m.def("has_bf16_dot", &has_bf16_dot, "whether the build has vdpbf16ps (AVX512-BF16)");
   m.def("bf16_dot_seconds", &bf16_dot_seconds,

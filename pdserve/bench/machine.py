@@ -31,7 +31,8 @@ def cpu_info() -> dict[str, Any]:
 
 def machine_limits(threads: list[int], repeats: int, buffer_mib: int,
                    fma_iters: int) -> dict[str, Any]:
-    """Per thread count: fp32 FMA GFLOP/s, bf16 dot GFLOP/s (None without AVX512-BF16) and
+    """Per thread count: fp32 FMA GFLOP/s, the clock (GHz, from a dependent-add chain) and the
+    vector FMAs retired per cycle, bf16 dot GFLOP/s (None without AVX512-BF16) and
     streaming-read GB/s, each the best of `repeats`."""
     import torch
 
@@ -41,10 +42,17 @@ def machine_limits(threads: list[int], repeats: int, buffer_mib: int,
     if k is None:
         raise RuntimeError("the compiled CPU kernels are not available: no roofline loops")
     buf = torch.ones(buffer_mib * (1 << 20) // 4)  # written once, so every page is mapped
-    lanes, out = k.fma_lanes(), {}
+    lanes, chains, out = k.fma_lanes(), k.fma_chains(), {}
     for t in threads:
         fma = min(k.fma_seconds(t, fma_iters) for _ in range(repeats))
-        entry = {"fma_gflops": round(t * fma_iters * 16 * lanes * 2 / fma / 1e9, 2),
+        # The clock the FMA loop ran at (one dependent add a cycle), measured right after it.
+        clock = min(k.clock_seconds(t, fma_iters) for _ in range(repeats))
+        gflops = t * fma_iters * chains * lanes * 2 / fma / 1e9
+        ghz = 8 * fma_iters / clock / 1e9 if clock > 0 else None
+        entry = {"fma_gflops": round(gflops, 2), "clock_ghz": ghz and round(ghz, 3),
+                 # vector FMAs a core retired per cycle: at most the core's FMA issue width
+                 # (2 on Zen / Skylake-SP with two FMA pipes)
+                 "fma_per_cycle": ghz and round(gflops / (t * ghz * lanes * 2), 3),
                  "bf16_dot_gflops": None}
         if k.has_bf16_dot():
             dot = min(k.bf16_dot_seconds(t, fma_iters) for _ in range(repeats))
@@ -52,7 +60,8 @@ def machine_limits(threads: list[int], repeats: int, buffer_mib: int,
         read = min(k.read_seconds(buf, t) for _ in range(max(repeats, 5)))
         entry["read_gbps"] = round(buf.numel() * 4 / read / 1e9, 2)
         out[t] = entry
-    return {"fma_isa": k.fma_isa(), "fma_lanes": lanes, "bf16_dot": k.has_bf16_dot(),
+    return {"fma_isa": k.fma_isa(), "fma_lanes": lanes, "fma_chains": chains,
+            "bf16_dot": k.has_bf16_dot(),
             "buffer_mib": buffer_mib, "threads": out}
 
 
@@ -60,4 +69,8 @@ def best_limits(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """Two machine_limits results merged, the higher of each number kept."""
     merged = {t: {key: (max(v, b["threads"][t][key]) if v is not None else None)
                   for key, v in entry.items()} for t, entry in a["threads"].items()}
+    for t, entry in merged.items():  # per cycle from the merged peak and clock
+        if entry.get("clock_ghz"):
+            entry["fma_per_cycle"] = round(
+                entry["fma_gflops"] / (t * entry["clock_ghz"] * a["fma_lanes"] * 2), 3)
     return {**a, "threads": merged}

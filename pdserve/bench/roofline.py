@@ -2,8 +2,12 @@
 
 Limits (compiled loops in engine/kernels/roofline.cpp, best of --repeats each), for 1
 and 2 threads (--threads):
-- fp32 FMA peak: 16 independent FMA chains per thread on the widest vectors present
-  (AVX-512, else AVX2+FMA); GFLOP/s = threads * iters * 16 * lanes * 2 / s.
+- fp32 FMA peak: `fma_chains` independent FMA chains per thread on the widest vectors present
+  (16 with AVX-512's 32 registers, 12 with AVX2's 16: enough for 2 pipes x 4-5 cycles, none
+  spilled); GFLOP/s = threads * iters * chains * lanes * 2 / s. Checked against the core:
+  `clock_ghz` from a chain of dependent integer adds (one a cycle) and `fma_per_cycle` = the
+  vector FMAs a core retired per cycle (at most its FMA issue width, 2 on Zen and Intel cores
+  with two FMA pipes); and no gemm may beat it (`mkl_fma_bound`, `prefill_fma_bound` <= 1).
 - bf16 dot peak (AVX512-BF16 only, else null): the same with vdpbf16ps, 64 FLOP per
   instruction (16 lanes x 2 bf16 products x multiply+add).
 - streaming read: a --buffer-mib float32 buffer (>> L3) summed with wide loads, each thread
@@ -220,6 +224,7 @@ def _engine_table(args: argparse.Namespace, dtype: str, runs: dict[int, dict],
             table[t]["sgemm_gflops"] = round(r["sgemm_gflops"], 2)
             table[t]["mkl_sgemm_gflops"] = round(r["mkl_sgemm_gflops"], 2)
             table[t]["prefill_fma_bound"] = round(r["sgemm_gflops"] / lim["fma_gflops"], 3)
+            table[t]["mkl_fma_bound"] = round(r["mkl_sgemm_gflops"] / lim["fma_gflops"], 3)
         if lim["bf16_dot_gflops"]:
             table[t]["prefill_bf16_dot_fraction"] = round(gflops / lim["bf16_dot_gflops"], 3)
         # Where one (separately timed) prefill spent its time.
@@ -267,13 +272,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     limits = best_limits(limits, machine_limits(threads, args.repeats, args.buffer_mib,
                                                 args.fma_iters))
     for t, lim in limits["threads"].items():
-        print(f"limits   {t} thr  fp32 FMA {lim['fma_gflops']:.1f} GFLOP/s  bf16 dot "
+        print(f"limits   {t} thr  fp32 FMA {lim['fma_gflops']:.1f} GFLOP/s ("
+              f"{lim.get('fma_per_cycle')} FMA/cycle at {lim.get('clock_ghz')} GHz)  bf16 dot "
               f"{lim['bf16_dot_gflops'] or 'n/a'}  stream read {lim['read_gbps']:.2f} GB/s",
               flush=True)
     tables = {dt: _engine_table(args, dt, runs[dt], limits) for dt in dtypes}
     for dt, table in tables.items():
         _print(dt, table, limits)
     fp32 = tables["float32"]
+    for t, r in fp32.items():
+        if max(r.get("prefill_fma_bound") or 0, r.get("mkl_fma_bound") or 0) > 1.0:
+            print(f"WARNING: at {t} thr a gemm beat the FMA peak: the peak under-measures",
+                  flush=True)
     best_p = max(fp32, key=lambda t: fp32[t]["prefill_fma_fraction"])
     best_d = max(fp32, key=lambda t: fp32[t]["decode_bandwidth_fraction"])
     fastest = min(fp32, key=lambda t: fp32[t]["prefill_s"])
