@@ -215,4 +215,5 @@ def test_each_phase_of_a_request_is_counted(dep):
     on_path = (took["vllm:request_queue_time_seconds"] + took["vllm:request_prefill_time_seconds"]
                + took["pdserve:proxy_hop_seconds"])
     assert 0 < on_path <= ttft, (took, ttft)
-    assert 0 < took["pdserve:kv_transfer_seconds"] <= took["pdserve:kv_wait_seconds"], took
+    # (a tiny model's WRITE can complete in the pass that posted it: 0.0 on P's clock)
+    assert 0 <= took["pdserve:kv_transfer_seconds"] <= took["pdserve:kv_wait_seconds"], took
