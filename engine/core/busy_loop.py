@@ -40,10 +40,10 @@ from engine.protocol import (
 logger = logging.getLogger(__name__)
 
 _EMPTY_STEP_S = 0.001  # a step faster than this that produced nothing ran no model
-# ... and the wait after it when the connector wakes the loop itself (set_wakeup): only the
-# scheduler's own timers need a step meanwhile, and they run in seconds (a registration
-# watchdog, a lease margin). At 50 ms these steps cost ~0.5 % of a core with legs waiting.
-_IDLE_WAIT_S = 0.5
+# ... and the wait after it while every request is parked for remote KV (the connector wakes
+# the loop when KV lands). Not longer: at 0.5 s a D leg's wait for KV grew from ~0.16 s to
+# ~0.76 s (tiny model, push), so some step on that path is still not woken (open)
+_IDLE_WAIT_S = 0.05
 
 
 class InputKind(enum.Enum):
