@@ -151,6 +151,7 @@ class Handover:
             prefill.cancel()
             raise
         if not first.done() or first.cancelled():
+            self.counter.labels(path="decode").inc()
             return None  # D answered first: its stream is the whole answer
         if leg is None:
             result = prefill.result()
