@@ -37,7 +37,9 @@ test: models
 		echo "etcd not installed: tests/membership skip"
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -q tests
+	# two at a time (one module per worker), then the modules marked serial alone (conftest.py)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial" tests
+	$(BIN)/python -m pytest -q -m serial tests
 
 bench-offline: $(STAMP)
 	test -f .models/bench-llama/config.json || \

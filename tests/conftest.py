@@ -59,3 +59,23 @@ def kernel_isa(request: pytest.FixtureRequest):
         yield mod
     finally:
         mod.set_isa(best)
+
+
+# Modules that measure CPU time or look at machine-wide state (/dev/shm): `make test` runs the
+# rest two at a time (pytest-xdist, one module per worker) and these afterwards, alone.
+SERIAL_MODULES = {
+    "tests/e2e/test_pd_first_token_push.py",  # D's CPU while legs wait for KV
+    "tests/e2e/test_pd_push.py",  # idle engines' CPU
+    "tests/e2e/test_pd_pull.py",  # idle engines' CPU
+    "tests/integration/test_nixl_transport.py",  # a waiting agent's CPU
+    "tests/faults/test_startup_deadlines.py",  # wall-clock bounds on exits
+    "tests/unit/test_shm_broadcast.py",  # /dev/shm before and after
+    "tests/unit/test_shm_collectives.py",  # /dev/shm segments
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = str(config.rootpath)
+    for item in items:
+        if os.path.relpath(str(item.path), root) in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
