@@ -62,15 +62,21 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def cached_path() -> tuple[str, Path]:
-    """(module name, shared object path) of this machine's build."""
+def cached_path(prefix: str = "pdserve_kernels", sources: list[Path] | None = None,
+                cflags: list[str] | None = None,
+                headers: list[Path] | None = None) -> tuple[str, Path]:
+    """(module name, shared object path) of this machine's build of `sources` (default: the
+    main kernels), keyed by the sources, headers, flags, torch version and CPU."""
     import torch
 
+    sources = _SOURCES if sources is None else sources
+    headers = _HEADERS if headers is None else headers
     key = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in _SOURCES + _HEADERS), " ".join(_CFLAGS).encode(),
+    for part in (*(src.read_bytes() for src in sources + headers),
+                 " ".join(_CFLAGS if cflags is None else cflags).encode(),
                  torch.__version__.encode(), _cpu_id().encode()):
         key.update(part)
-    name = f"pdserve_kernels_{key.hexdigest()[:12]}"
+    name = f"{prefix}_{key.hexdigest()[:12]}"
     root = Path(os.environ.get("PDSERVE_KERNEL_CACHE",
                                Path.home() / ".cache" / "pdserve" / "kernels"))
     return name, root / f"{name}.so"
@@ -83,7 +89,7 @@ def _import(name: str, path: Path) -> ModuleType:
     return module
 
 
-def _build(name: str, dest: Path) -> None:
+def _build(name: str, dest: Path, sources: list[Path], cflags: list[str]) -> None:
     from torch.utils.cpp_extension import load
 
     # The ninja wheel's binary sits beside the interpreter, whether or not the venv's bin
@@ -92,9 +98,10 @@ def _build(name: str, dest: Path) -> None:
     os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), *path])
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="build-", dir=dest.parent))
+    ldflags = ["-fopenmp"] if "-fopenmp" in cflags else []
     try:
-        load(name=name, sources=[str(src) for src in _SOURCES], extra_cflags=_CFLAGS,
-             extra_ldflags=["-fopenmp"], build_directory=str(tmp), verbose=False)
+        load(name=name, sources=[str(src) for src in sources], extra_cflags=cflags,
+             extra_ldflags=ldflags, build_directory=str(tmp), verbose=False)
         os.replace(tmp / f"{name}.so", dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -113,19 +120,26 @@ def _build_lock(dest: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def load_or_build(prefix: str, sources: list[Path], cflags: list[str],
+                  headers: list[Path]) -> ModuleType:
+    """The built module of `sources` (which include `headers`), built first (once, under the
+    lock) if this machine has none yet. Raises what the build raises."""
+    import torch  # noqa: F401  (the extension links against torch's libraries)
+
+    name, path = cached_path(prefix, sources, cflags, headers)
+    if not path.exists():
+        with _build_lock(path):  # one builder per build; the others wait and import it
+            if not path.exists():
+                logger.info("building %s into %s", prefix, path)
+                _build(name, path, sources, cflags)
+    return _import(name, path)
+
+
 @functools.cache
 def compiled() -> ModuleType | None:
     """The kernels' module, built first if this machine has no build yet; None if it fails."""
     try:
-        import torch  # noqa: F401  (the extension links against torch's libraries)
-
-        name, path = cached_path()
-        if not path.exists():
-            with _build_lock(path):  # one builder per build; the others wait and import it
-                if not path.exists():
-                    logger.info("building the CPU kernels into %s", path)
-                    _build(name, path)
-        module = _import(name, path)
+        module = load_or_build("pdserve_kernels", _SOURCES, _CFLAGS, _HEADERS)
     except Exception as e:  # no compiler, no ninja, a build error: fall back, say why once
         first = str(e).splitlines()[0] if str(e) else ""
         logger.warning("compiled CPU kernels unavailable (%s: %s); using the torch paths",
