@@ -17,9 +17,8 @@ from typing import Any
 import aiohttp
 
 from proxy.backends import BackendPool, Lease
-from proxy.errors import backend_error_body
-from proxy.legs import PrefillResult, encode, record_connection_failure
-from proxy.metrics import mark_backend_byte, mark_leg_sent
+from proxy.legs import PrefillResult, post_prefill
+from proxy.metrics import mark_backend_byte
 
 _DONE = b"data: [DONE]"
 
@@ -93,42 +92,27 @@ async def run_prefill_stream(
     body: dict[str, Any], headers: dict[str, str], timeout: aiohttp.ClientTimeout,
     leg: HandoverLeg,
 ) -> PrefillResult:
-    url = lease.url
-    try:
-        mark_leg_sent()
-        async with client.post(url + path, data=encode(body), headers=headers,
-                               timeout=timeout) as resp:
-            if resp.status != 200:
-                status, content = resp.status, await resp.read()
-            else:
-                status, content = 200, b""
-                leg.headers = {"content-type": resp.headers.get("content-type", "")}
-                buffer = b""
-                async for raw in resp.content.iter_any():
-                    buffer += raw
-                    while b"\n\n" in buffer:
-                        event, buffer = buffer.split(b"\n\n", 1)
-                        mark_backend_byte()  # P's head is relayed as it arrives
-                        leg.feed(event + b"\n\n")
-    except TimeoutError as exc:
-        pool.record_failure(lease.backend, "timeout", unreachable=False)
-        return PrefillResult(url, None, b"", f"timed out ({type(exc).__name__})")
-    except aiohttp.ClientError as exc:
-        record_connection_failure(pool, lease, exc)
-        return PrefillResult(url, None, b"", f"{type(exc).__name__}: {exc}")
-    finally:
-        lease.release()
-        leg.end()
-    if status != 200:
-        _, detail = backend_error_body(content)
-        if status >= 500:
-            pool.record_failure(lease.backend, f"http_{status}", unreachable=False)
-        return PrefillResult(url, status, content, f"answered {status}: {detail}")
+    async def read(resp: aiohttp.ClientResponse) -> bytes:
+        leg.headers = {"content-type": resp.headers.get("content-type", "")}
+        buffer = b""
+        async for raw in resp.content.iter_any():
+            buffer += raw
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                mark_backend_byte()  # P's head is relayed as it arrives
+                leg.feed(event + b"\n\n")
+        return b""
+
+    result = await post_prefill(client, pool, lease, path, body, headers, timeout, read,
+                                on_end=leg.end)
+    if not result.ok:
+        return result
     if leg.error or not leg.complete:
         pool.record_failure(lease.backend, "stream_error", unreachable=False)
-        return PrefillResult(url, 200, b"", f"stream ended early: {leg.error or 'no [DONE]'}")
+        return PrefillResult(result.url, 200, b"",
+                             f"stream ended early: {leg.error or 'no [DONE]'}")
     answer = {} if leg.kv_params is None else {"kv_transfer_params": leg.kv_params}
-    return PrefillResult(url, 200, json.dumps(answer).encode())
+    return PrefillResult(result.url, 200, json.dumps(answer).encode())
 
 
 def strip_first(obj: dict[str, Any], chat: bool, text: str) -> dict[str, Any] | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,13 +148,30 @@ async def run_prefill_leg(
     headers: dict[str, str],
     timeout: aiohttp.ClientTimeout,
 ) -> PrefillResult:
+    async def read(resp: aiohttp.ClientResponse) -> bytes:
+        content = await resp.read()
+        mark_backend_byte()
+        return content
+
+    return await post_prefill(client, pool, lease, path, body, headers, timeout, read)
+
+
+async def post_prefill(
+    client: aiohttp.ClientSession, pool: BackendPool, lease: Lease, path: str,
+    body: dict[str, Any], headers: dict[str, str], timeout: aiohttp.ClientTimeout,
+    read: Callable[[aiohttp.ClientResponse], Awaitable[bytes]],
+    on_end: Callable[[], None] | None = None,
+) -> PrefillResult:
+    """Send a P leg; `read` takes a 200 answer's body. Every failure becomes the result's
+    error, counted on P's backend; the lease is released (and `on_end` called) on every
+    path."""
     url = lease.url
     try:
         mark_leg_sent()
         async with client.post(url + path, data=encode(body), headers=headers,
                                timeout=timeout) as resp:
-            status, content = resp.status, await resp.read()
-            mark_backend_byte()
+            status = resp.status
+            content = await (read(resp) if status == 200 else resp.read())
     except TimeoutError as exc:  # aiohttp's timeouts are TimeoutErrors (before ClientError)
         pool.record_failure(lease.backend, "timeout", unreachable=False)
         return PrefillResult(url, None, b"", f"timed out ({type(exc).__name__})")
@@ -163,6 +180,8 @@ async def run_prefill_leg(
         return PrefillResult(url, None, b"", f"{type(exc).__name__}: {exc}")
     finally:
         lease.release()
+        if on_end is not None:
+            on_end()
     if status == 200:
         return PrefillResult(url, 200, content)
     _, detail = backend_error_body(content)

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+
+from pd_harness import TEST_ENV
+
+from pdserve.launcher import ServerProcess, launch_server
 
 PERSON = {
     "type": "object",
@@ -69,3 +74,13 @@ def assemble_tool_calls(stream) -> tuple[list[tuple[str, str]], str | None]:
                 if d.function and d.function.arguments:
                     entry[1] += d.function.arguments
     return [(n, a) for _, (n, a) in sorted(calls.items())], finish
+
+
+def tool_server(model: str) -> Iterator[ServerProcess]:
+    """A colocated server of `model` with tool calls on: the tiny model's chat template is
+    ChatML (Qwen's), so its parser is hermes. For a module fixture: `yield from`."""
+    s = launch_server(model, "--dtype", "float32", "--max-model-len", "512",
+                      "--num-kv-blocks", "64", "--log-level", "warning",
+                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes", env=TEST_ENV)
+    yield s
+    s.stop()

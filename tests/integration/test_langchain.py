@@ -11,16 +11,16 @@ from __future__ import annotations
 import ipaddress
 import os
 import sys
+from collections.abc import Iterator
 from typing import Literal
 
 import httpx
 import openai
 import pytest
-from pd_harness import TEST_ENV
 from pydantic import BaseModel, ConfigDict, Field
-from structured_kit import TIME, TOOLS, WEATHER, validates
+from structured_kit import TIME, TOOLS, WEATHER, tool_server, validates
 
-from pdserve.launcher import ServerProcess, launch_server
+from pdserve.launcher import ServerProcess
 
 langchain_openai = pytest.importorskip("langchain_openai")
 from langchain_core.messages import (  # noqa: E402 - after the importorskip
@@ -64,13 +64,8 @@ class Anything(BaseModel):  # json_mode promises an object, not a schema
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model: str) -> ServerProcess:
-    # the tiny model's chat template is ChatML (Qwen's): its parser is hermes
-    s = launch_server(tiny_model, "--dtype", "float32", "--max-model-len", "512",
-                      "--num-kv-blocks", "64", "--log-level", "warning",
-                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes", env=TEST_ENV)
-    yield s
-    s.stop()
+def server(tiny_model: str) -> Iterator[ServerProcess]:
+    yield from tool_server(tiny_model)
 
 
 @pytest.fixture(scope="module")

@@ -8,23 +8,26 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-from pd_harness import TEST_ENV
-from structured_kit import PERSON, TOOLS, assemble_tool_calls, valid_call, validates
+from structured_kit import (
+    PERSON,
+    TOOLS,
+    assemble_tool_calls,
+    tool_server,
+    valid_call,
+    validates,
+)
 
-from pdserve.launcher import ServerProcess, launch_server
+from pdserve.launcher import ServerProcess
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model: str) -> ServerProcess:
-    s = launch_server(tiny_model, "--dtype", "float32", "--max-model-len", "512",
-                      "--num-kv-blocks", "64", "--log-level", "warning",
-                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes", env=TEST_ENV)
-    yield s
-    s.stop()
+def server(tiny_model: str) -> Iterator[ServerProcess]:
+    yield from tool_server(tiny_model)
 
 
 def _post(server: ServerProcess, path: str, body: dict) -> httpx.Response:
