@@ -32,9 +32,13 @@ Engine (the real EngineCore in this process, torch.set_num_threads(t), prefix ca
   shapes; sgemm GFLOP/s = their FLOPs / their summed times, and prefill_fma_bound = that / the
   FMA peak: the fraction a prefill would reach if every FLOP (attention included) ran at the
   sgemm's rate and nothing else (norms, rope, activations, KV writes) took any time.
-- bf16: the same prefill and decode with --dtype bfloat16 (null where the CPU has no bf16 dot
-  instructions); bf16_prefill_speedup = fp32 prefill time / bf16 prefill time at the thread
+- bf16: the same prefill and decode with --dtype bfloat16 on every CPU (without AVX512-BF16
+  the kernels widen bf16 to float32 by a shift: half the bytes, the same FMAs);
+  bf16_prefill_speedup = fp32 prefill time / bf16 prefill time at the thread
   count where fp32 prefill is fastest.
+- decode at batch B and context C (--batch-sizes, default 8 and 32, --batch-context, default
+  1024), fp32 and bf16, with where the step's time goes and the bound the CPU allows: see
+  pdserve/bench/roofline_batch.py. Result JSON: batch_decode[dtype][B][threads].
 Every timing is the best of --repeats (a noisy machine only ever slows a run down).
 Result JSON: prefill_fma_fraction and decode_bandwidth_fraction (the best thread count of
 each), prefill_fma_bound (at prefill_fma_fraction's thread count), bf16_prefill_speedup,
@@ -48,6 +52,7 @@ import json
 import time
 from typing import Any
 
+from pdserve.bench import roofline_batch
 from pdserve.bench.machine import best_limits, cpu_info, machine_limits
 
 
@@ -66,6 +71,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="first measure the skinny_linear row thresholds again (a quiet "
                              "machine's are the ones to keep)")
     parser.add_argument("--result-json", default=None)
+    roofline_batch.add_args(parser)
 
 
 def model_costs(model: str) -> dict[str, int]:
@@ -265,8 +271,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.recalibrate:
         _recalibrate(threads)
     limits = machine_limits(threads, args.repeats, args.buffer_mib, args.fma_iters)
-    dtypes = ["float32"] + (["bfloat16"] if limits["bf16_dot"] and not args.skip_bf16 else [])
+    # bf16 on every CPU with a vector path: without AVX512-BF16 the kernels widen bf16 to fp32
+    dtypes = ["float32"] + ([] if args.skip_bf16 else ["bfloat16"])
     runs = {dt: _engine_runs(args, dt, threads) for dt in dtypes}
+    batch_runs = {dt: roofline_batch.batch_runs(args, dt, threads) for dt in dtypes}
     # Measured again after the engine runs, the best of both kept: the clock boosts with the
     # load on the other cores, and a limit must not be taken at a moment slower than the runs.
     limits = best_limits(limits, machine_limits(threads, args.repeats, args.buffer_mib,
@@ -277,8 +285,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"{lim['bf16_dot_gflops'] or 'n/a'}  stream read {lim['read_gbps']:.2f} GB/s",
               flush=True)
     tables = {dt: _engine_table(args, dt, runs[dt], limits) for dt in dtypes}
+    costs = model_costs(args.model)
+    batch = {dt: roofline_batch.batch_table(args, dt, batch_runs[dt], limits, costs)
+             for dt in dtypes}
     for dt, table in tables.items():
         _print(dt, table, limits)
+        roofline_batch.print_table(dt, batch[dt], limits)
     fp32 = tables["float32"]
     for t, r in fp32.items():
         if max(r.get("prefill_fma_bound") or 0, r.get("mkl_fma_bound") or 0) > 1.0:
@@ -297,6 +309,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode_bandwidth_fraction": fp32[best_d]["decode_bandwidth_fraction"],
         "decode_bandwidth_fraction_threads": best_d,
         "bf16_prefill_speedup": None, "bfloat16": None,
+        "batch_decode": batch,
     }
     if "bfloat16" in tables:
         bf16 = result["bfloat16"] = tables["bfloat16"]

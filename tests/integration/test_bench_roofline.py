@@ -22,7 +22,8 @@ def result(tiny_model, tmp_path_factory) -> dict:
     subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "roofline", "--model",
                     tiny_model, "--threads", "1", "--prefill-tokens", "96",
                     "--decode-context", "40", "--decode-steps", "6", "--repeats", "2",
-                    "--buffer-mib", "96", "--fma-iters", "2000000", "--result-json", str(out)],
+                    "--buffer-mib", "96", "--fma-iters", "2000000", "--batch-sizes", "2,3",
+                    "--batch-context", "40", "--batch-steps", "3", "--result-json", str(out)],
                    check=True, timeout=300, capture_output=True)
     return json.loads(out.read_text())
 
@@ -41,11 +42,12 @@ def test_roofline_reports_the_fractions_and_the_machine(result):
     assert result["cpu"]["model_name"]
     flags = _cpu_flags()
     assert set(result["cpu"]["flags"]) <= flags
-    if "avx512_bf16" in flags:
-        assert lim["bf16_dot_gflops"] > 0 and result["bf16_prefill_speedup"] > 0
-        assert result["bfloat16"]["1"]["prefill_gflops"] > 0
-    else:
-        assert lim["bf16_dot_gflops"] is None and result["bf16_prefill_speedup"] is None
+    assert (lim["bf16_dot_gflops"] or 0) > 0 if "avx512_bf16" in flags else \
+        lim["bf16_dot_gflops"] is None
+    # bf16 is measured on every CPU (AVX2 widens it to fp32), not only with AVX512-BF16.
+    assert result["bf16_prefill_speedup"] > 0
+    assert result["bfloat16"]["1"]["prefill_gflops"] > 0
+    assert result["bfloat16"]["1"]["decode_gbps"] > 0
 
 
 def test_flop_and_byte_counts_follow_the_model_shapes(result, tiny_model):
@@ -66,3 +68,29 @@ def test_flop_and_byte_counts_follow_the_model_shapes(result, tiny_model):
                                              rel=0.01)
     assert r["prefill_fma_fraction"] == pytest.approx(
         r["prefill_gflops"] / result["limits"]["threads"]["1"]["fma_gflops"], abs=0.002)
+
+
+def test_batch_decode_reads_weights_and_every_sequences_kv(result, tiny_model):
+    """Decode at batch B and context C: every batch size and dtype measured, the bytes of a
+    step = the weights once + each sequence's KV at its own context, and where the time went."""
+    cfg = json.loads(open(f"{tiny_model}/config.json").read())
+    kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * 64
+    weights = result["costs"]["linear_params"] + result["costs"]["head_params"]
+    lim = result["limits"]["threads"]["1"]
+    for dtype, e in (("float32", 4), ("bfloat16", 2)):
+        table = result["batch_decode"][dtype]
+        assert sorted(table) == ["2", "3"]
+        for size, per_t in table.items():
+            r = per_t["1"]
+            # each sequence's context: the 40-token prompt plus the tokens it has so far
+            assert 40 < r["mean_context"] < 40 + 60
+            kv = e * kv_per_token * r["mean_context"] * int(size)
+            assert r["bytes_per_step"] == pytest.approx(e * weights + kv, rel=1e-3)
+            assert r["decode_gbps"] == pytest.approx(
+                r["bytes_per_step"] / (r["step_ms"] / 1e3) / 1e9, rel=0.01)
+            assert r["decode_bandwidth_fraction"] == pytest.approx(
+                r["decode_gbps"] / lim["read_gbps"], abs=0.002)
+            assert 0 < r["bound_fraction"] <= 1
+            b = r["breakdown"]
+            assert b["matmul_ms"] > 0 and b["attention_ms"] > 0
+            assert b["matmul_ms"] + b["attention_ms"] < b["step_ms"]

@@ -1,0 +1,186 @@
+"""`pdserve bench roofline`: decode at batch B and context C against the streaming read.
+
+A decode step at batch B reads every weight once plus every running sequence's KV; at B = 8
+and C = 1024 the KV read equals the weights' (issue 33). For each dtype one engine (prefix
+caching off, so no two sequences share a KV block) prefills the largest batch once, B
+distinct random prompts of --batch-context tokens; for each thread count, 2 warm-up steps,
+then --repeats runs of --batch-steps steps each, a run's median step, the best run kept.
+Then the longest-running requests beyond the next smaller B are aborted and the same is
+measured for it (its sequences a few steps longer: the bytes count each one's own context).
+Bytes per step, each sequence b at context c_b (its prompt plus the tokens it has so far):
+    batch decode bytes = e * (P + V*hidden) + e * 2*L*KV*D * sum_b c_b
+against the streaming read at the same thread count (`decode_bandwidth_fraction`).
+Where the time goes (one separately timed run of --batch-steps steps, wrappers on): the
+model's matmuls (`matmul_ms` a step), the attention calls (`attention_ms`, with the KV's
+GB/s), and the rest (`other_ms`: norms, rope, activations, the sampler, the runner's and
+the scheduler's Python). And the bound this CPU allows (`bound_fraction`): the same bytes
+over the streaming read, against a step whose matmuls take their FLOPs (2 * B * (P +
+V*hidden)) at the fp32 FMA peak (bf16: the bf16 dot peak where there is one) or their
+weights' read, whichever is longer, plus the KV's
+read: at B = 32 the matmuls' FLOPs alone can outlast the whole step's bytes on a CPU with a
+low FMA peak (2 cores with AVX2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-sizes", default="8,32",
+                        help="decode batch sizes measured at --batch-context ('' skips)")
+    parser.add_argument("--batch-context", type=int, default=1024)
+    parser.add_argument("--batch-steps", type=int, default=12)
+
+
+def _prompt(vocab: int, n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(10, vocab) for _ in range(n)]
+
+
+class _Batch:
+    """The running requests and each one's token count (its context for the next step)."""
+
+    def __init__(self, client: Any, context: int) -> None:
+        self.client, self.context = client, context
+        self.tokens: dict[str, int] = {}
+
+    def step(self) -> tuple[int, int]:
+        """One engine step: (sequences that got a token, their summed context read)."""
+        read = sum(self.tokens.values())
+        out = self.client.get_output()
+        for o in out.outputs:
+            if o.request_id in self.tokens:
+                self.tokens[o.request_id] += len(o.new_token_ids)
+                if o.finished:
+                    raise RuntimeError(f"{o.request_id} finished early: raise max_tokens")
+        return len(out.outputs), read
+
+    def timed(self, steps: int, batch: int) -> tuple[float, float]:
+        """(median step seconds, mean summed context) over `steps` steps of the full batch."""
+        times, reads = [], []
+        for _ in range(steps):
+            start = time.perf_counter()
+            n, read = self.step()
+            times.append(time.perf_counter() - start)
+            reads.append(read)
+            if n != batch:
+                raise RuntimeError(f"a step ran {n} sequences, not {batch}")
+        return sorted(times)[len(times) // 2], sum(reads) / len(reads)
+
+
+def batch_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> dict[int, dict]:
+    """{B: {threads: {"step_s", "context_sum", "matmul_s", "attention_s", "profile_step_s"}}}
+    for one dtype."""
+    import torch
+
+    from engine.client.inproc import InprocClient
+    from engine.config import EngineConfig
+    from engine.kernels.linear import skinny_rows
+    from engine.models import causal_lm, layers, load_arch
+    from engine.protocol import EngineCoreRequest, SamplingParams
+    from engine.runner.attention import PagedAttention
+    from pdserve.bench.offline import _timed
+
+    sizes = sorted((int(b) for b in args.batch_sizes.split(",") if b), reverse=True)
+    if not sizes:
+        return {}
+    vocab, c = load_arch(args.model).vocab_size, args.batch_context
+    per_size = len(threads) * (args.repeats + 1) * args.batch_steps + 2 * len(threads) + 2
+    extra = len(sizes) * per_size + 4
+    blocks = -(-(c + extra) // 16)
+    config = EngineConfig(model=args.model, dtype=dtype, max_num_seqs=sizes[0],
+                          max_model_len=c + extra, num_kv_blocks=sizes[0] * blocks + 4,
+                          block_size=16, max_num_batched_tokens=max(2048, c),
+                          enable_prefix_caching=False)
+    client = InprocClient(config)
+    batch = _Batch(client, c)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=extra)
+    out: dict[int, dict] = {}
+    try:
+        torch.set_num_threads(max(threads))  # the prefill is not timed: the fastest
+        for i in range(sizes[0]):
+            rid = f"bd{i}"
+            client.add_request(EngineCoreRequest(rid, _prompt(vocab, c, 1000 + i), params, None))
+            batch.tokens[rid] = c
+        while any(n == c for n in batch.tokens.values()):
+            batch.step()
+        for size in sizes:
+            drop = sorted(batch.tokens, key=batch.tokens.get, reverse=True)[:len(batch.tokens)
+                                                                             - size]
+            client.abort_requests(drop)
+            for rid in drop:
+                del batch.tokens[rid]
+            out[size] = {}
+            for t in threads:
+                torch.set_num_threads(t)
+                skinny_rows(getattr(torch, dtype))  # measured now if new, not in a timing
+                batch.timed(2, size)
+                best = min(batch.timed(args.batch_steps, size) for _ in range(args.repeats))
+                matmul, attention = [0.0], [0.0]
+                with _timed([layers, causal_lm], "linear", matmul), \
+                        _timed([PagedAttention], "__call__", attention):
+                    start = time.perf_counter()
+                    batch.timed(args.batch_steps, size)
+                    total = time.perf_counter() - start
+                n = args.batch_steps
+                out[size][t] = {"step_s": best[0], "context_sum": best[1],
+                                "matmul_s": matmul[0] / n, "attention_s": attention[0] / n,
+                                "profile_step_s": total / n}
+    finally:
+        client.shutdown()
+    return out
+
+
+def batch_table(args: argparse.Namespace, dtype: str, runs: dict[int, dict],
+                limits: dict[str, Any], costs: dict[str, int]) -> dict[int, dict]:
+    """Per B and thread count: step time, GB/s, the fraction of the streaming read, where the
+    time went and the bound (module docstring)."""
+    e = 4 if dtype == "float32" else 2
+    weights = costs["linear_params"] + costs["head_params"]
+    table: dict[int, dict] = {}
+    for size, per_t in runs.items():
+        table[size] = {}
+        for t, r in per_t.items():
+            lim = limits["threads"][t]
+            kv_bytes = e * costs["kv_per_token"] * r["context_sum"]
+            nbytes = e * weights + kv_bytes
+            read_s = nbytes / (lim["read_gbps"] * 1e9)
+            peak = (lim["bf16_dot_gflops"] if e == 2 else None) or lim["fma_gflops"]
+            matmul_floor = max(2.0 * size * weights / (peak * 1e9),
+                               e * weights / (lim["read_gbps"] * 1e9))
+            floor = matmul_floor + kv_bytes / (lim["read_gbps"] * 1e9)
+            gbps = nbytes / r["step_s"] / 1e9
+            other = r["profile_step_s"] - r["matmul_s"] - r["attention_s"]
+            table[size][t] = {
+                "context": args.batch_context, "step_ms": round(r["step_s"] * 1e3, 3),
+                "mean_context": round(r["context_sum"] / size, 1),
+                "bytes_per_step": int(nbytes), "decode_gbps": round(gbps, 2),
+                "decode_bandwidth_fraction": round(gbps / lim["read_gbps"], 3),
+                "bound_fraction": round(min(1.0, read_s / floor), 3),
+                "breakdown": {
+                    "step_ms": round(r["profile_step_s"] * 1e3, 3),
+                    "matmul_ms": round(r["matmul_s"] * 1e3, 3),
+                    "matmul_gflops": round(2.0 * size * weights / r["matmul_s"] / 1e9, 2),
+                    "attention_ms": round(r["attention_s"] * 1e3, 3),
+                    "attention_kv_gbps": round(kv_bytes / r["attention_s"] / 1e9, 2),
+                    "other_ms": round(other * 1e3, 3)},
+            }
+    return table
+
+
+def print_table(dtype: str, table: dict[int, dict], limits: dict[str, Any]) -> None:
+    for size, per_t in table.items():
+        for t, r in per_t.items():
+            b = r["breakdown"]
+            print(f"{dtype:8s} {t} thr  decode batch {size:3d} x {r['context']} ctx "
+                  f"{r['step_ms']:8.2f} ms  {r['decode_gbps']:6.2f} GB/s = "
+                  f"{r['decode_bandwidth_fraction']:.2f} of stream read "
+                  f"{limits['threads'][t]['read_gbps']:.2f} (bound {r['bound_fraction']:.2f}; "
+                  f"matmul {b['matmul_ms']:.2f} ms, attention {b['attention_ms']:.2f} ms at "
+                  f"{b['attention_kv_gbps']:.1f} GB/s, other {b['other_ms']:.2f} ms)",
+                  flush=True)
