@@ -16,26 +16,192 @@ enough that an idle worker sleeps while its engine runs Python or waits) unless 
 chose a wait policy of their own. It changes the environment, not torch: libgomp reads it
 once, when it loads, so it must run before the process imports torch or before it spawns
 the processes that will (the EngineCore and its tensor-parallel workers inherit it).
-The thread count is left to torch: it already follows the cores this process may run on
-(os.sched_getaffinity), and `taskset` is how a user splits a node between engines.
+torch sizes the intra-op pool to the cores this process may run on (os.sched_getaffinity);
+`CoreShare` (below) narrows it while other model processes run on the same cores.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import logging
 import os
-from collections.abc import MutableMapping
+import stat
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, MutableMapping
+
+logger = logging.getLogger(__name__)
 
 # Any of these set by the user means they chose the wait behaviour themselves.
 USER_KNOBS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 SPINCOUNT = "10000"
+# "1": this server's model processes share the node's cores (CoreShare); "0" opts out.
+SHARE_ENV = "PDSERVE_CORE_SHARE"
 
 
 def apply_thread_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """Sets the default spin count into `environ` (default os.environ) unless the user set
-    any of USER_KNOBS; returns what it set ({} when nothing). Call from the main thread at
-    start-up, before torch is imported or any model process is spawned."""
+    any of USER_KNOBS, and SHARE_ENV=1 unless the user set it; returns what it set ({} when
+    nothing). Call from the main thread at start-up, before torch is imported or any model
+    process is spawned."""
     env = os.environ if environ is None else environ
-    if any(k in env for k in USER_KNOBS):
-        return {}
-    env["GOMP_SPINCOUNT"] = SPINCOUNT
-    return {"GOMP_SPINCOUNT": SPINCOUNT}
+    chosen = {}
+    if not any(k in env for k in USER_KNOBS):
+        chosen["GOMP_SPINCOUNT"] = SPINCOUNT
+    if SHARE_ENV not in env:
+        chosen[SHARE_ENV] = "1"
+    env.update(chosen)
+    return chosen
+
+
+# --- intra-op threads when model processes share cores ----------------------------------
+# Each process that runs a model (the EngineCore with TP = 1, every TP worker) holds a
+# locked file in one node-local directory naming the CPUs it may run on. torch sizes its
+# pool to those CPUs alone, so a P and a D started on one node would each run a pool as wide
+# as the node: twice as many busy threads as cores, each engine's workers waiting on the
+# other's (issue 33 item 6: OMP_NUM_THREADS=1 on both cut their CPU by 4x). CoreShare keeps
+# the pool at the CPUs this process may run on divided by the model processes registered on
+# any of them, never above what torch chose alone; it recounts now and then, so an engine
+# started first gives back its extra threads when a second one arrives and takes them again
+# when it leaves. A user who sets OMP_NUM_THREADS chose for themselves: nothing changes.
+
+REGISTRY_ENV = "PDSERVE_CORE_REGISTRY"  # the directory (tests point it at their own)
+RECOUNT_S = 1.0
+
+
+def registry_dir() -> str:
+    """The node-local directory of model processes: $PDSERVE_CORE_REGISTRY, else one per uid
+    in /dev/shm (or the temp directory where there is none)."""
+    if path := os.environ.get(REGISTRY_ENV):
+        return path
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, f"pdserve-cores-{os.getuid()}")
+
+
+def _own_dir(path: str) -> None:
+    """Creates `path` 0700, or checks that the one there is ours and not a link: another
+    user's directory could make every engine here believe it shares its cores."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{path}: not a 0700 directory of uid {os.getuid()}")
+
+
+def _cpus_of(text: str) -> frozenset[int]:
+    try:
+        return frozenset(int(c) for c in text.split(",") if c)
+    except ValueError:
+        return frozenset()  # a torn or foreign file shares nothing with us
+
+
+class CoreShare:
+    """One model process's entry in the registry and the thread count it implies.
+
+    `tick()` is called by the thread that runs the model, before each step (torch's thread
+    count belongs to the calling thread); it recounts at most every `recount_s` and calls
+    `set_threads` when the fair count changed. Not thread-safe: one caller."""
+
+    def __init__(self, base_threads: int, *, directory: str | None = None,
+                 cpus: frozenset[int] | None = None, recount_s: float = RECOUNT_S,
+                 set_threads: Callable[[int], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.base = max(1, base_threads)
+        self.cpus = cpus if cpus is not None else frozenset(os.sched_getaffinity(0))
+        self.dir = directory or registry_dir()
+        self.recount_s = recount_s
+        self.clock = clock
+        self._set = set_threads
+        self._next = 0.0
+        self._last_sharing = 1
+        self.threads = self.base
+        self._file: int | None = None
+        self.name = ""
+        _own_dir(self.dir)
+        # Written and locked under a temporary name, then renamed: a file under its final
+        # name is always locked while its owner lives, so a counter never takes it for dead.
+        tmp = os.path.join(self.dir, f".new-{os.getpid()}-{uuid.uuid4().hex}")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, ",".join(map(str, sorted(self.cpus))).encode())
+        self.name = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        os.rename(tmp, os.path.join(self.dir, self.name))
+        self._file = fd
+
+    def sharing(self) -> int:
+        """Live registered model processes (this one included) that may run on a CPU of ours;
+        removes the files of dead ones (their lock is free)."""
+        n = 1
+        for entry in os.listdir(self.dir):
+            if entry == self.name or entry.startswith("."):
+                continue
+            path = os.path.join(self.dir, entry)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                continue  # gone meanwhile, or not a file of ours
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:  # held: its owner lives
+                    if _cpus_of(os.read(fd, 4096).decode(errors="replace")) & self.cpus:
+                        n += 1
+                    continue
+                with contextlib.suppress(OSError):
+                    os.unlink(path)  # its owner died without removing it
+            finally:
+                os.close(fd)
+        return n
+
+    def fair(self) -> int:
+        self._last_sharing = self.sharing()
+        return max(1, min(self.base, len(self.cpus) // self._last_sharing))
+
+    def tick(self) -> int | None:
+        """Recounts if due; returns the new thread count when it changed (after applying
+        it), else None."""
+        now = self.clock()
+        if now < self._next:
+            return None
+        self._next = now + self.recount_s
+        try:
+            want = self.fair()
+        except OSError:
+            return None  # the registry went away: keep what we have
+        if want == self.threads:
+            return None
+        logger.info("intra-op threads %d -> %d (%d CPUs, %d model processes on them)",
+                    self.threads, want, len(self.cpus), self._last_sharing)
+        self.threads = want
+        if self._set is not None:
+            self._set(want)
+        return want
+
+    def close(self) -> None:
+        if self._file is None:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(self.dir, self.name))
+        os.close(self._file)
+        self._file = None
+
+
+def core_share(base_threads: int) -> CoreShare | None:
+    """The CoreShare of a model process of an engine server (SHARE_ENV set to "1" by
+    apply_thread_defaults), else None: an offline LLM or a benchmark keeps the threads it
+    set. Where the user set OMP_NUM_THREADS the process registers (the others count it) but
+    keeps their count. None too where the registry cannot be used (the pool stays as torch
+    sized it, as before)."""
+    if os.environ.get(SHARE_ENV) != "1":
+        return None
+    fixed = "OMP_NUM_THREADS" in os.environ
+    import torch
+
+    try:
+        return CoreShare(base_threads, set_threads=None if fixed else torch.set_num_threads)
+    except OSError as exc:
+        logger.warning("intra-op threads stay at %d: core registry unusable (%s)",
+                       base_threads, exc)
+        return None

@@ -12,7 +12,9 @@ it shows where the time goes. Checked: every request answered, the P/D answers e
 colocated ones, and every KV block back on every engine afterwards.
 
 --env KEY=VAL (repeatable) goes to every server (e.g. OMP_NUM_THREADS=1 to compare with the
-defaults); --rounds N repeats both deployments in turn (colocated, pd, colocated, ...).
+defaults, PDSERVE_CORE_SHARE=0 for the thread pools before CoreShare); --rounds N repeats
+both deployments in turn (colocated, pd, colocated, ...). The servers count each other in a
+private core registry (a temp dir), not the host's.
 
   .venv/bin/python scripts/bench_pd_cpu.py [--num-requests 600] [--rounds 1]
       [--out bench/results/pd_cpu.json]
@@ -26,7 +28,10 @@ import json
 import os
 import platform
 import random
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from typing import Any
@@ -75,6 +80,7 @@ def cpu_snapshot(server: ServerProcess) -> dict[str, Any]:
     CPU s)}}."""
     total, threads = 0.0, {}
     for p in tree(server):
+        role = "api" if p.pid == server.pid else "core"
         try:
             t = p.cpu_times()
             total += t.user + t.system + t.children_user + t.children_system
@@ -84,7 +90,9 @@ def cpu_snapshot(server: ServerProcess) -> dict[str, Any]:
                         name = f.read().strip()
                 except OSError:
                     name = "?"
-                threads[(p.pid, th.id)] = (f"{p.name()}:{name}", th.user_time + th.system_time)
+                if th.id == p.pid:
+                    name += "(main)"
+                threads[(p.pid, th.id)] = (f"{role}:{name}", th.user_time + th.system_time)
         except psutil.NoSuchProcess:
             continue
     return {"total": total, "threads": threads}
@@ -128,11 +136,40 @@ async def _load(url: str, texts: list[str], out_len: int) -> tuple[float, list[s
         return time.perf_counter() - start, list(answers)
 
 
+PROFILE_DIR: str | None = None  # --profile: py-spy records every process of every server
+
+
+def start_spies(kind: str, servers: dict[str, ServerProcess]) -> list[subprocess.Popen]:
+    if PROFILE_DIR is None:
+        return []
+    spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    spies = []
+    for name, server in servers.items():
+        for p in tree(server):
+            role = "api" if p.pid == server.pid else "core"
+            out = os.path.join(PROFILE_DIR, f"{kind}-{name}-{role}-{p.pid}.txt")
+            spies.append(subprocess.Popen(
+                [spy, "record", "-p", str(p.pid), "-r", "200", "-f", "raw", "--threads",
+                 "--nonblocking", "-o", out], stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL))
+    time.sleep(1.0)  # py-spy attaches (a bench script, not a test)
+    return spies
+
+
+def stop_spies(spies: list[subprocess.Popen]) -> None:
+    for spy in spies:
+        spy.send_signal(signal.SIGINT)
+    for spy in spies:
+        spy.wait(60)
+
+
 def measure(kind: str, servers: dict[str, ServerProcess], url: str, texts: list[str],
             out_len: int, top: int) -> tuple[dict[str, Any], list[str]]:
+    spies = start_spies(kind, servers)
     before = {name: cpu_snapshot(s) for name, s in servers.items()}
     wall, answers = asyncio.run(_load(url, texts, out_len))
     after = {name: cpu_snapshot(s) for name, s in servers.items()}
+    stop_spies(spies)
     cpu = {name: cpu_delta(before[name], after[name], top) for name in servers}
     total = sum(c["cpu_s"] for c in cpu.values())
     print(f"{kind:10s} wall {wall:6.1f} s  CPU {total:6.1f} s ("
@@ -193,8 +230,18 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=8, help="threads listed per server")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="result JSON")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="py-spy record (raw, 200 Hz) of every server process into DIR")
     args = ap.parse_args()
+    global PROFILE_DIR
+    PROFILE_DIR = args.profile
+    if PROFILE_DIR:
+        os.makedirs(PROFILE_DIR, exist_ok=True)
     args.env = dict(kv.split("=", 1) for kv in args.env)
+    # The engines count each other in a node-local registry (engine/threads.py CoreShare):
+    # a private one, so the measure is one P and one D sharing the cores, not whatever other
+    # engines run on this host.
+    args.env.setdefault("PDSERVE_CORE_REGISTRY", tempfile.mkdtemp(prefix="pd-cpu-cores-"))
     texts = prompts(args.num_requests, args.seed)
     runs: list[dict[str, Any]] = []
     for r in range(args.rounds):

@@ -26,6 +26,7 @@ from engine.runner.sampler import Sampler, build_sampling_metadata
 from engine.runner_output import ModelRunnerOutput
 from engine.sched.output import NewRequestData, SchedulerOutput
 from engine.structured.grammars import GrammarTable
+from engine.threads import core_share
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,8 @@ class ModelRunner:
         self.grammars = GrammarTable(config.model, self.arch.vocab_size)
         self.requests: dict[str, CachedRequest] = {}
         self.connector: WorkerConnector | None = None
+        # Fewer intra-op threads while other engines run on our cores (engine/threads.py).
+        self.cores = core_share(torch.get_num_threads()) if self.device.type == "cpu" else None
 
     def _kv_cache_spec(self) -> KVCacheSpec:
         a = self.arch
@@ -124,6 +127,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if self.cores is not None:
+            self.cores.tick()  # here: torch's thread count belongs to the model's thread
         self._update_states(so)
         if self.connector is not None:
             self.connector.start_load_kv(so.kv_connector_metadata)
