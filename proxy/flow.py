@@ -49,7 +49,7 @@ from proxy.migrate import Migrator
 from proxy.prompt_rows import wants_prompt_logprobs
 from proxy.relay import COMPLETED, RelayResponse
 from proxy.retry import RetryPair, RetryPolicy
-from proxy.routing import RequestView, Route, Router
+from proxy.routing import NO_TOKENS, PromptTokens, RequestView, Route, Router
 
 logger = logging.getLogger("pdserve.proxy")
 
@@ -71,6 +71,7 @@ class RequestContext:
     engine_request_id: str = ""  # the legs' X-Request-Id, fresh per request
     retry_open: bool = False  # a failed leg may go to another pair (proxy/retry.py)
     migration: Any = None  # a streamed answer's migration plan (proxy/migrate.py)
+    tokens: PromptTokens = NO_TOKENS  # the prompt's ids, made once (proxy/routing.py)
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -109,6 +110,7 @@ class Dispatcher:
         logger.debug("request %s: engine request id %s", ctx.request_id,
                      ctx.engine_request_id)
         self.migrator.prepare(ctx)  # a streamed D leg reports token ids (proxy/migrate.py)
+        ctx.tokens = await self.router.prompt_tokens(ctx.body, ctx.route == CHAT)
         if self.config.mode == "push":
             return await self.retry.run(ctx, lambda: self._push(ctx))
         return await self.retry.run(ctx, lambda: self._pull(ctx))
@@ -142,8 +144,9 @@ class Dispatcher:
         logger.debug("request %s: push transfer %s P=%s D=%s",
                      ctx.request_id, transfer_id, p_lease.url, d_lease.url)
         p_body = prefill_leg_body(ctx.body, ctx.route, push_prefill_params(transfer_id),
-                                  p_lease.rank)
-        d_body = decode_leg_body(ctx.body, push_decode_params(coords, transfer_id))
+                                  p_lease.rank, ctx.tokens.for_legs)
+        d_body = decode_leg_body(ctx.body, push_decode_params(coords, transfer_id),
+                                 ctx.tokens.for_legs)
         leg = self.handover.leg(ctx)
         prefill = self._spawn_prefill(ctx, p_lease, p_body, leg)
         opening = self._spawn_decode(ctx, d_lease, d_body)
@@ -195,7 +198,8 @@ class Dispatcher:
         coords = await self._kv_info(ctx, p_lease, self.kv_info.get_optional(p_lease.url))
         if coords is not None:  # P's answer names the rank's side channel itself
             pin_prefill_rank(p_lease, coords)
-        p_body = prefill_leg_body(ctx.body, ctx.route, pull_prefill_params(), p_lease.rank)
+        p_body = prefill_leg_body(ctx.body, ctx.route, pull_prefill_params(), p_lease.rank,
+                                  ctx.tokens.for_legs)
         # a streamed P leg only to our own engines (they send kv_transfer_params in a stream)
         leg = self.handover.leg(ctx) if coords is not None else None
         prefill = self._spawn_prefill(ctx, p_lease, p_body, leg)
@@ -212,7 +216,7 @@ class Dispatcher:
         if error is not None:
             raise error
         self.router.account_decode(view, d_lease, p_lease)
-        d_body = decode_leg_body(ctx.body, kv_params)
+        d_body = decode_leg_body(ctx.body, kv_params, ctx.tokens.for_legs)
         opening = self._spawn_decode(ctx, d_lease, d_body)
         # P's answer alone when its token ends the request, else P's token first
         answer = self.handover.after_prefill(ctx, result, leg, opening, d_lease)
@@ -238,7 +242,7 @@ class Dispatcher:
 
     def _route(self, ctx: RequestContext) -> tuple[Route, RequestView]:
         """The routing policy's choice (proxy/routing.py); a 503 when no D is healthy."""
-        routed = self.router.route(ctx.body, ctx.route == CHAT)
+        routed = self.router.route(ctx.tokens)
         if routed is None:
             raise self._no_healthy(ctx, self.decode)
         route, view = routed
@@ -258,7 +262,8 @@ class Dispatcher:
         return await self._open_alone(ctx, d_lease)
 
     async def _open_alone(self, ctx: RequestContext, d_lease: Lease) -> Response:
-        opening = self._spawn_decode(ctx, d_lease, decode_leg_body(ctx.body, None))
+        opening = self._spawn_decode(ctx, d_lease,
+                                     decode_leg_body(ctx.body, None, ctx.tokens.for_legs))
         stream = await self._await_decode(ctx, opening, None, d_lease.url)
         return self._relay(ctx, stream, None)
 

@@ -15,14 +15,23 @@
                      room ("prefill_saturated"). Without tokens (no --tokenizer, or a prompt
                      the proxy cannot render) it routes by load alone ("no_tokens").
 
+Tokenize once: with --tokenizer the proxy renders and encodes each prompt with the engine's
+own code (engine/server/chat.py `prompt_ids_for`, engine/frontend/input_processor.py
+`encode_prompt`) and both legs carry the ids as `prompt_token_ids`, so neither P nor D
+tokenizes the prompt again; routing uses the same ids. A prompt the proxy cannot render (the
+engine would refuse it, or the proxy has no tokenizer) goes without ids: the engine tokenizes.
+
 The prefix view comes from proxy/prefix_index.py (KV events, or what was routed where).
-Threading: event loop only. Policies are pure: they rank the backends they are handed.
+Threading: event loop only, but for the tokenization of a long prompt (THREAD_MIN_CHARS), on
+the "proxy-tokenize" threads. Policies are pure: they rank the backends they are handed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -37,6 +46,26 @@ logger = logging.getLogger("pdserve.proxy")
 
 POLICIES = ROUTING_POLICIES
 DECODE_LOAD_TOKENS = 256  # a D leg in flight weighs as much as this many uncached tokens
+# a prompt of more characters is tokenized on a worker thread (the encode releases the GIL),
+# so the event loop relays other requests meanwhile (bench/results/tokenize_once.txt)
+THREAD_MIN_CHARS = 4096
+
+
+@dataclass(frozen=True)
+class PromptTokens:
+    """A request's prompt token ids as the engines will see them (None: unknown). `send`:
+    the proxy made them with the engine's own code, so both legs carry them as
+    `prompt_token_ids` and neither engine tokenizes the prompt again."""
+
+    ids: list[int] | None = None
+    send: bool = False
+
+    @property
+    def for_legs(self) -> list[int] | None:
+        return self.ids if self.send else None
+
+
+NO_TOKENS = PromptTokens()
 
 
 @dataclass
@@ -202,10 +231,11 @@ class Router:
         self.index = index
         self.metrics = metrics
         self.tokenizer = tokenizer
+        self._pool: ThreadPoolExecutor | None = None  # made at the first long prompt
 
-    def route(self, body: dict[str, Any], chat: bool) -> tuple[Route, RequestView] | None:
-        """The route of one request; None when no decode backend is healthy."""
-        view = RequestView(self.tokenize(body, chat), self.index)
+    def route(self, tokens: PromptTokens) -> tuple[Route, RequestView] | None:
+        """The route of one request (its `prompt_tokens`); None when no D is healthy."""
+        view = RequestView(tokens.ids, self.index)
         decode = rotated(self.decode)
         if not decode:
             return None
@@ -252,33 +282,63 @@ class Router:
         self.metrics.prompt.labels(url=b.url, role=role).inc(view.num_tokens)
         self.index.routed_to(b.url, view.tokens, view.memo)
 
-    def tokenize(self, body: dict[str, Any], chat: bool) -> list[int] | None:
-        """The prompt's token ids as the engine will see them; None when unknown."""
+    async def prompt_tokens(self, body: dict[str, Any], chat: bool) -> PromptTokens:
+        """The request's prompt tokens, made once per request (the flow keeps them for its
+        retries); a long prompt is tokenized on a worker thread."""
         if self.tokenizer is None:
-            return None
+            return NO_TOKENS
+        if _prompt_chars(body, chat) < THREAD_MIN_CHARS:
+            return self.tokenize(body, chat)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(2, thread_name_prefix="proxy-tokenize")
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, self.tokenize, body, chat, True)
+
+    def tokenize(self, body: dict[str, Any], chat: bool, release_gil: bool = False
+                 ) -> PromptTokens:
+        """The prompt's token ids as the engine will see them (NO_TOKENS: unknown)."""
+        if self.tokenizer is None:
+            return NO_TOKENS
+        given = body.get("prompt_token_ids")
+        if given is not None:  # the client's own: passed on as sent, the engines check them
+            ok = isinstance(given, list) and given and all(type(t) is int for t in given)
+            return PromptTokens(list(given)) if ok else NO_TOKENS
         try:
             if chat:
-                from engine.server.chat import render_chat_prompt
+                from engine.server.chat import prompt_ids_for
 
-                messages = body.get("messages")
-                if not isinstance(messages, list) or not all(
-                        isinstance(m, dict) and isinstance(m.get("content"), str)
-                        for m in messages):
-                    return None
-                prompt = render_chat_prompt(
-                    self.tokenizer, [{"role": m.get("role"), "content": m["content"]}
-                                     for m in messages],
-                    add_generation_prompt=body.get("add_generation_prompt", True) is not False)
-                return list(prompt["prompt_token_ids"])
+                return PromptTokens(prompt_ids_for(self.tokenizer, body,
+                                                   release_gil=release_gil), send=True)
             prompt = body.get("prompt")
-            if isinstance(prompt, list) and prompt and all(
-                    type(t) is int for t in prompt):
-                return list(prompt)
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+                return PromptTokens(list(prompt))
             if isinstance(prompt, str) and prompt:
-                return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+                from engine.frontend.input_processor import encode_prompt
+
+                return PromptTokens(encode_prompt(self.tokenizer, prompt,
+                                                  release_gil=release_gil), send=True)
         except Exception as exc:  # the engine will answer the client's mistake itself
             logger.debug("routing: prompt not tokenized: %s", exc)
-        return None
+        return NO_TOKENS
+
+
+def _prompt_chars(body: dict[str, Any], chat: bool) -> int:
+    """About how much text the prompt holds (it picks the thread, nothing else)."""
+    if not chat:
+        prompt = body.get("prompt")
+        return len(prompt) if isinstance(prompt, str) else sum(
+            len(p) for p in prompt if isinstance(p, str)) if isinstance(prompt, list) else 0
+    total = 0
+    for m in body.get("messages") or ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(str(part.get("text", ""))) for part in content
+                         if isinstance(part, dict))
+    return total
 
 
 def build_router(config: Any, prefill: BackendPool, decode: BackendPool,

@@ -46,6 +46,21 @@ def external_request_id(internal_id: str) -> str:
     return internal_id
 
 
+def encode_prompt(tokenizer: Any, text: str, *, release_gil: bool = False) -> list[int]:
+    """A text prompt's token ids, as every engine makes them (and a proxy that tokenizes once
+    for both legs, proxy/routing.py). `release_gil`: encode through the batch call, which
+    lets other threads run meanwhile (same ids; for a caller on a worker thread)."""
+    if not text:
+        raise ValueError("prompt must not be empty")
+    bad = _SURROGATE.search(text)
+    if bad is not None:  # the tokenizer would raise a TypeError: the caller's mistake
+        raise ValueError(f"prompt is not valid Unicode: lone surrogate "
+                         f"U+{ord(bad.group()):04X} at index {bad.start()}")
+    if release_gil and hasattr(tokenizer, "encode_batch"):
+        return list(tokenizer.encode_batch([text], add_special_tokens=True)[0])
+    return list(tokenizer.encode(text, add_special_tokens=True))
+
+
 class InputProcessor:
     def __init__(
         self,
@@ -97,13 +112,7 @@ class InputProcessor:
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("prompt must be given as prompt_token_ids: no tokenizer loaded")
-        if not text:
-            raise ValueError("prompt must not be empty")
-        bad = _SURROGATE.search(text)
-        if bad is not None:  # the tokenizer would raise a TypeError: the caller's mistake
-            raise ValueError(f"prompt is not valid Unicode: lone surrogate "
-                             f"U+{ord(bad.group()):04X} at index {bad.start()}")
-        return list(self.tokenizer.encode(text, add_special_tokens=True))
+        return encode_prompt(self.tokenizer, text)
 
     def _validate_ids(self, ids: list[int]) -> None:
         if not ids:

@@ -1,8 +1,10 @@
 """POST /v1/chat/completions: messages → the model's chat template → one generation.
 
 The prompt is rendered with the tokenizer's chat template and tokenized here, so a template
-that already starts with the BOS token does not get a second one. Streaming sends, per
-choice, a role chunk, content deltas, and a final chunk with `finish_reason`.
+that already starts with the BOS token does not get a second one; a request carrying
+`prompt_token_ids` (a proxy rendered them with `prompt_ids_for`, this same path) skips both.
+Streaming sends, per choice, a role chunk, content deltas, and a final chunk with
+`finish_reason`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from engine.server.serving import (
     SSE_DONE,
     ServingContext,
     SSEResponse,
+    count_prompt,
     engine_stream,
+    given_prompt_ids,
     make_request_id,
     merge_streams,
     primed,
@@ -51,8 +55,10 @@ from engine.server.tools import ToolPlan, ToolStream, answer, tool_plan, with_to
 def render_chat_prompt(
     tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
     continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+    release_gil: bool = False,
 ) -> dict[str, Any]:
-    """The engine prompt (`prompt_token_ids` + `prompt`) for a conversation."""
+    """The engine prompt (`prompt_token_ids` + `prompt`) for a conversation. `release_gil`:
+    encode through the batch call, which lets other threads run meanwhile (same ids)."""
     try:
         extra = {} if tools is None else {"tools": tools}
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
@@ -67,10 +73,39 @@ def render_chat_prompt(
             text = text[: cut + len(last)]
     bos = getattr(tokenizer, "bos_token", None)
     has_bos = isinstance(bos, str) and bool(bos) and text.startswith(bos)
-    ids = list(tokenizer.encode(text, add_special_tokens=not has_bos))
+    if release_gil and hasattr(tokenizer, "encode_batch"):
+        ids = list(tokenizer.encode_batch([text], add_special_tokens=not has_bos)[0])
+    else:
+        ids = list(tokenizer.encode(text, add_special_tokens=not has_bos))
     if not ids:
         raise APIError("messages render to an empty prompt", param="messages")
     return {"prompt_token_ids": ids, "prompt": text}
+
+
+def request_prompt(tokenizer: Any, body: ChatCompletionRequest, plan: ToolPlan | None,
+                   *, release_gil: bool = False) -> dict[str, Any]:
+    """A chat request's prompt as this server renders it (the template over its messages with
+    the request's add_generation_prompt, continue_final_message and tools)."""
+    return render_chat_prompt(
+        tokenizer, body.message_dicts(), add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        tools=None if plan is None else plan.tools, release_gil=release_gil,
+    )
+
+
+# tool_choice auto needs the server's parser to answer; the prompt does not depend on it
+_ANY_PARSER = "hermes"
+
+
+def prompt_ids_for(tokenizer: Any, raw: dict[str, Any], *, release_gil: bool = False
+                   ) -> list[int]:
+    """The prompt token ids a server with `tokenizer` gives the chat request `raw` (its JSON
+    body): the same parse and `request_prompt` the route runs, for a proxy that tokenizes once
+    and sends them as `prompt_token_ids`. Raises whatever the route would refuse."""
+    body = ChatCompletionRequest.model_validate(raw)
+    plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, _ANY_PARSER)
+    prompt = request_prompt(tokenizer, body, plan, release_gil=release_gil)
+    return list(prompt["prompt_token_ids"])
 
 
 async def create_chat_completion(
@@ -80,11 +115,12 @@ async def create_chat_completion(
     plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.tool_call_parser)
     params = with_tool_grammar(ctx.with_defaults(body, body.to_sampling_params()), plan)
     check_prompt_logprobs_leg(params, body.kv_transfer_params, ctx.kv_spec)
-    prompt = render_chat_prompt(
-        ctx.tokenizer, body.message_dicts(), add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message,
-        tools=None if plan is None else plan.tools,
-    )
+    if body.prompt_token_ids is not None:  # rendered and encoded once, by the proxy
+        prompt: dict[str, Any] = {
+            "prompt_token_ids": given_prompt_ids(ctx, body.prompt_token_ids)}
+    else:
+        prompt = request_prompt(ctx.tokenizer, body, plan)
+        count_prompt(ctx, "encoded")
     rid = make_request_id(request, "chatcmpl")
     merged = merge_streams([engine_stream(ctx, prompt, params, rid, body.kv_transfer_params,
                                                 body.data_parallel_rank)])

@@ -35,7 +35,9 @@ from engine.server.serving import (
     SSE_DONE,
     ServingContext,
     SSEResponse,
+    count_prompt,
     engine_stream,
+    given_prompt_ids,
     make_request_id,
     merge_streams,
     primed,
@@ -50,6 +52,22 @@ CLIENT_CLOSED = 499
 
 def _engine_prompt(p: str | list[int]) -> Any:
     return p if isinstance(p, str) else {"prompt_token_ids": p}
+
+
+def _engine_prompts(ctx: ServingContext, body: CompletionRequest) -> list[Any]:
+    """The batch as engine prompts, each one's tokenization counted: a text is encoded by the
+    engine, token ids are given. `prompt_token_ids` (pdserve's, with one text prompt: a proxy
+    encoded it once) replaces the encode; the text stays the prompt `echo` returns."""
+    prompts = body.prompts()
+    if body.prompt_token_ids is not None:
+        if len(prompts) != 1 or not isinstance(prompts[0], str):
+            raise APIError("prompt_token_ids goes with exactly one text prompt",
+                           param="prompt_token_ids")
+        return [{"prompt_token_ids": given_prompt_ids(ctx, body.prompt_token_ids),
+                 "prompt": prompts[0]}]
+    for p in prompts:
+        count_prompt(ctx, "encoded" if isinstance(p, str) else "given")
+    return [_engine_prompt(p) for p in prompts]
 
 
 def _prompt_text(ctx: ServingContext, out: Any) -> str:
@@ -74,11 +92,11 @@ async def create_completion(
     ctx.check_model(body.model)
     params = ctx.with_defaults(body, body.to_sampling_params())
     check_prompt_logprobs_leg(params, body.kv_transfer_params, ctx.kv_spec)
-    prompts = body.prompts()
+    prompts = _engine_prompts(ctx, body)
     rid = make_request_id(request, "cmpl")
     ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
     streams = [
-        engine_stream(ctx, _engine_prompt(p), params, i,
+        engine_stream(ctx, p, params, i,
                       prompt_kv_params(ctx.kv_spec, body.kv_transfer_params, index,
                                        len(prompts)),
                       body.data_parallel_rank)

@@ -168,6 +168,11 @@ class ServerMetrics:
             PREFIX + "http_request_errors",
             "Error responses sent, by route (\"other\" for unknown paths) and HTTP status.",
             ["route", "status"], registry=reg)
+        self.prompt_tokenizations = Counter(
+            PREFIX + "prompt_tokenizations",
+            "Prompts by where their token ids came from: encoded (this server rendered and "
+            "tokenized the text) or given (token ids in the request: a token-id prompt, or "
+            "prompt_token_ids from a proxy that tokenized once).", ["source"], registry=reg)
         indexes = list(engine_indexes) if engine_indexes is not None else [engine_index]
         self.engines = {i: _EngineSeries(families, [model_name, str(i)]) for i in indexes}
         self._first = self.engines[indexes[0]]

@@ -20,6 +20,7 @@ from pydantic import (
     ConfigDict,
     Field,
     FiniteFloat,
+    StrictInt,
     model_serializer,
     model_validator,
 )
@@ -46,6 +47,7 @@ NoBool = BeforeValidator(_not_bool)
 # Bounded ints keep every value representable on the msgpack wire (a 10**30 is a 400, not a 500).
 Int32 = Annotated[int, NoBool, Field(ge=-(2**31), le=2**31 - 1)]
 TokenId = Annotated[int, NoBool, Field(ge=0, le=2**31 - 1)]
+StrictTokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]  # "2" and 2.0 are not ids
 Seed = Annotated[int, NoBool, Field(ge=-(2**63), le=2**63 - 1)]
 Float = Annotated[FiniteFloat, NoBool]
 
@@ -110,6 +112,10 @@ class _SamplingFields(_Request):
     guided_grammar: Any = None
     # vLLM's: streamed chunks carry each choice's new `token_ids` (and the prompt's ids first)
     return_token_ids: bool = False
+    # pdserve's: the prompt's token ids as this server would make them (a proxy with
+    # --tokenizer renders and encodes once for both legs, proxy/routing.py); given, the server
+    # skips the chat template and the encode and uses them (engine/server/serving.py checks)
+    prompt_token_ids: list[StrictTokenId] | None = None
 
     def wanted_prompt_logprobs(self) -> int | None:
         """Top-N of the prompt logprobs the engine must compute (None: none)."""

@@ -78,6 +78,27 @@ class ServingContext:
                            code="model_not_found")
 
 
+def count_prompt(ctx: ServingContext, source: str) -> None:
+    """One prompt's tokenization: "encoded" here, or "given" as token ids."""
+    if ctx.metrics is not None:
+        ctx.metrics.prompt_tokenizations.labels(source=source).inc()
+
+
+def given_prompt_ids(ctx: ServingContext, ids: list[int]) -> list[int]:
+    """A request's `prompt_token_ids` (pdserve's field: a proxy tokenized the prompt once for
+    both legs), used instead of rendering and encoding the prompt. Each refusal is a 400
+    naming the field; ids outside the vocabulary are the input processor's refusal (its
+    message starts with the field too)."""
+    if not ids:
+        raise APIError("prompt_token_ids must not be empty", param="prompt_token_ids")
+    if ctx.max_model_len is not None and len(ids) >= ctx.max_model_len:
+        raise APIError(f"prompt_token_ids holds {len(ids)} tokens: no room for a generated "
+                       f"token within max_model_len ({ctx.max_model_len})",
+                       param="prompt_token_ids")
+    count_prompt(ctx, "given")
+    return list(ids)
+
+
 def make_request_id(request: Request, prefix: str) -> str:
     """The client's X-Request-Id (the proxy sends one per request) or a fresh id.
 

@@ -19,11 +19,13 @@ from handover_kit import (
     check_streams_exact,
 )
 from pd_harness import deployment, metric
+from tokenize_once_kit import check_tokenized_once
 
 
 @pytest.fixture(scope="module")
 def pd(tiny_model: str):
-    with deployment(tiny_model, "pull") as dep:
+    # the proxy tokenizes once for both legs (tests/tokenize_once_kit.py)
+    with deployment(tiny_model, "pull", proxy_args=("--tokenizer", tiny_model)) as dep:
         yield dep
 
 
@@ -72,3 +74,7 @@ def test_pull_first_token_outside_the_vocabulary_is_recomputed_or_refused(pd, ba
     colocated = post(pd.d.url, "/v1/completions", {**body, "max_tokens": 4})
     assert r.json()["choices"][0]["text"] == colocated["choices"][0]["text"]
     assert (metric(pd.d, RECOMPUTED), metric(pd.d, SEEDED)) == (before[0] + 1, before[1])
+
+
+def test_pull_prompt_tokenized_once_by_the_proxy(pd):
+    check_tokenized_once(pd)
