@@ -40,10 +40,12 @@ from engine.protocol import (
 logger = logging.getLogger(__name__)
 
 _EMPTY_STEP_S = 0.001  # a step faster than this that produced nothing ran no model
-# ... and the wait after it while every request is parked for remote KV (the connector wakes
-# the loop when KV lands). Not longer: at 0.5 s a D leg's wait for KV grew from ~0.16 s to
-# ~0.76 s (tiny model, push), so some step on that path is still not woken (open)
-_IDLE_WAIT_S = 0.05
+# While every request is parked for remote KV the loop blocks on its input queue: the
+# connector's publish (KV landed or failed, blocks freed) puts a WAKEUP there, as do ADDs,
+# aborts, utilities and shutdown. This backstop only bounds the scheduler-side timers that
+# nothing else wakes (the connector's registration watchdog, minutes; the drain deadline):
+# one step a second, where a 50 ms wait cost four parked legs ~1.6 % of a core.
+_PARKED_BACKSTOP_S = 1.0
 
 
 class InputKind(enum.Enum):
@@ -144,7 +146,7 @@ class EngineCoreLoop:
             self.output_queue.put_nowait(outputs)
         elif self._woken and self.core.scheduler.only_parked():
             # Every request waits for remote KV: the connector wakes the loop when it lands.
-            self._handle_next(_IDLE_WAIT_S)
+            self._handle_next(_PARKED_BACKSTOP_S)
         elif time.perf_counter() - started < _EMPTY_STEP_S:
             # Work exists but nothing could run (KV that just landed is scheduled next step):
             # give the connector / I/O threads the GIL instead of spinning.
