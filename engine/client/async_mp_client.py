@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 
 from engine.client.base import AsyncEngineCoreClient, EngineDeadError, next_output
-from engine.client.mp_base import POLL_MS, MPClientBase
+from engine.client.mp_base import MPClientBase
 from engine.config import EngineConfig
 from engine.core.messages import UtilityCall
 from engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
@@ -27,8 +27,10 @@ class AsyncMPClient(MPClientBase, AsyncEngineCoreClient):
     """asyncio client; binds to the first running loop that calls one of its methods."""
 
     def __init__(self, config: EngineConfig, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)
+        # Before the core process: its watcher may call _wake_readers at once.
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._poll: asyncio.Future | None = None  # the reader's wait for output, while blocked
+        super().__init__(config, **kwargs)
         self._in: zmq.asyncio.Socket | None = None
         self._out: zmq.asyncio.Socket | None = None
         self._outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
@@ -60,19 +62,39 @@ class AsyncMPClient(MPClientBase, AsyncEngineCoreClient):
         elif loop is not self._loop:
             raise RuntimeError("AsyncMPClient is bound to another event loop")
 
+    def _wake_readers(self) -> None:
+        loop = self._loop
+        if loop is None:
+            return  # no reader yet: it looks at the exit flag before its first wait
+        try:
+            loop.call_soon_threadsafe(self._interrupt_poll)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits
+
+    def _interrupt_poll(self) -> None:
+        """Loop thread: end the reader's wait now (it then looks at the exit flag)."""
+        if self._poll is not None and not self._poll.done():
+            self._poll.set_result(0)
+
     async def _read_outputs(self) -> None:
         assert self._out is not None
+        sock = self.core.output_socket
         try:
             while self._dead is None:
-                if await self._out.poll(timeout=POLL_MS):
+                ready = 0
+                if not self._exited.is_set():
+                    self._poll = self._out.poll(timeout=self.reader_timeout_ms())
+                    try:
+                        ready = await self._poll
+                    finally:
+                        self._poll = None
+                if ready:
                     # Drain everything queued: the socket's FD is edge-triggered, so after
                     # one recv a second queued message would wait for the next arrival (or
-                    # the poll timeout) and reach the client late, in a burst.
-                    sock = self.core.output_socket
+                    # the wait's end) and reach the client late, in a burst.
                     while sock.poll(timeout=0):
                         self._dispatch(sock.recv_multipart(copy=False))
                 elif self._exited.is_set():
-                    sock = self.core.output_socket
                     while sock.poll(timeout=0):
                         self._dispatch(sock.recv_multipart(copy=False))
                     self._mark_dead(EngineDeadError(self._exit_reason()))

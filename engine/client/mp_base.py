@@ -4,8 +4,13 @@ of outputs (the ENGINE_CORE_DEAD sentinel and heartbeats included) and death boo
 Silence (engine/core/liveness.py): the core sends a heartbeat every interval, so a core the
 client has heard nothing from for `config.heartbeat_timeout_s` — while its output socket holds
 nothing unread — is stopped or frozen: `check_silence()` kills it (SIGKILL: it stays dead
-after a SIGCONT) and returns the EngineDeadError naming why; the readers call it on every
-idle poll."""
+after a SIGCONT) and returns the EngineDeadError naming why; the readers call it when their
+wait for output runs out.
+
+Readers block on the output socket with no timer of their own: the core's heartbeats (one
+a second at most) wake them, the process watcher wakes them when the core exits
+(`_wake_readers`), and their wait ends at the latest when the core would have been silent
+past `heartbeat_timeout_s` (`reader_timeout_ms`). An idle frontend wakes once a heartbeat."""
 
 from __future__ import annotations
 
@@ -33,7 +38,6 @@ from engine.serial import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
 
-POLL_MS = 100  # how often readers look at the process-exit flag while idle
 _MAX_SENTINEL = len(ENGINE_CORE_DEAD) + 1 + MAX_DEAD_REASON  # a longer frame is outputs
 
 
@@ -82,9 +86,24 @@ class MPClientBase(EngineCoreClient):
         self.heartbeat_timeout_s = config.heartbeat_timeout_s
         self._last_heard = time.monotonic()
         self.last_step_age_s = 0.0  # from the last heartbeat: how long the step had run
-        self.core.watch(lambda code: self._exited.set())
+        self.core.watch(self._on_core_exit)
 
     # -- shared helpers -------------------------------------------------------------------
+    def _on_core_exit(self, code: int | None) -> None:
+        """The process watcher's thread: the core exited unasked."""
+        self._exited.set()
+        self._wake_readers()
+
+    def _wake_readers(self) -> None:
+        """Any thread: make the reader look at the exit and stop flags now."""
+        raise NotImplementedError
+
+    def reader_timeout_ms(self) -> int:
+        """How long a reader may block on the output socket: until the core has been silent
+        for `heartbeat_timeout_s` (then `check_silence` decides)."""
+        left = self._last_heard + self.heartbeat_timeout_s - time.monotonic()
+        return max(1, int(left * 1000) + 1)
+
     @property
     def is_dead(self) -> bool:
         return self.dead_error is not None

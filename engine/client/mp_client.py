@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
 from typing import Any
@@ -28,7 +29,7 @@ from typing import Any
 import zmq
 
 from engine.client.base import EngineDeadError, SyncEngineCoreClient
-from engine.client.mp_base import POLL_MS, MPClientBase, UtilityCallError
+from engine.client.mp_base import MPClientBase, UtilityCallError
 from engine.config import EngineConfig
 from engine.core.messages import UtilityCall
 from engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
@@ -42,7 +43,16 @@ class SyncMPClient(MPClientBase, SyncEngineCoreClient):
     """Blocking client. Thread-safe: any thread may add, abort, call utilities or read."""
 
     def __init__(self, config: EngineConfig, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)
+        # The reader blocks on the output socket and this pipe; a byte on the pipe says "look
+        # at the exit and stop flags" (the process watcher, shutdown). Made before the core
+        # process, whose watcher may write to it at once.
+        self._wake_r, self._wake_w = os.pipe()
+        self._wake_lock = threading.Lock()
+        try:
+            super().__init__(config, **kwargs)
+        except BaseException:
+            self._close_wake_pipe()
+            raise
         self.outputs_queue: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
         self._utility_results: dict[int, tuple[str, concurrent.futures.Future]] = {}
         self._lock = threading.Lock()  # input socket, encoder, utility table, death
@@ -51,18 +61,27 @@ class SyncMPClient(MPClientBase, SyncEngineCoreClient):
                                         name=f"EngineCoreOutputReader_{self.engine_index}")
         self._reader.start()
 
+    def _wake_readers(self) -> None:
+        with self._wake_lock:
+            if self._wake_w >= 0:
+                os.write(self._wake_w, b"x")
+
     def _read_outputs(self) -> None:
         sock = self.core.output_socket
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if sock.poll(timeout=POLL_MS):
+                ready = dict(poller.poll(timeout=self.reader_timeout_ms()))
+                if sock in ready:
                     self._dispatch(sock.recv_multipart(copy=False))
                 elif self._exited.is_set():
                     while sock.poll(timeout=0):
                         self._dispatch(sock.recv_multipart(copy=False))
                     self._mark_dead(EngineDeadError(self._exit_reason()))
                     return
-                elif (silent := self.check_silence()) is not None:
+                elif not ready and (silent := self.check_silence()) is not None:
                     self._mark_dead(silent)
                     return
         except EngineDeadError as e:
@@ -140,7 +159,16 @@ class SyncMPClient(MPClientBase, SyncEngineCoreClient):
             return
         self._shut_down = True
         self._stop.set()
+        self._wake_readers()
         self._reader.join(timeout=2.0)
         self._mark_dead(EngineDeadError("the engine client was shut down"))
-        self.core.shutdown(self.shutdown_timeout_s)
+        self.core.shutdown(self.shutdown_timeout_s)  # the watcher is stopped after this
         self.ctx.destroy(linger=0)
+        self._close_wake_pipe()
+
+    def _close_wake_pipe(self) -> None:
+        with self._wake_lock:
+            if self._wake_w >= 0:
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+                self._wake_r = self._wake_w = -1
