@@ -7,6 +7,7 @@ and greedy decoding through our batched, chunked, prefix-cached engine. Loaded o
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -54,17 +55,24 @@ def chat_prompt_ids(hf_tokenizer) -> list[list[int]]:
     return [hf_tokenizer(t).input_ids for t in texts]
 
 
-def hf_greedy(path: str, dtype: torch.dtype, prompts: list[list[int]], pad_id: int,
+@pytest.fixture(scope="module")
+def hf_model(gguf_path: str):
+    """transformers' own float32 load of the GGUF file, once per module (a load takes tens of
+    seconds). Its bf16 load equals this one cast to bf16, tensor for tensor (checked on this
+    file), so the bf16 test casts a copy instead of loading again."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path),
+                                                gguf_file=os.path.basename(gguf_path),
+                                                dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompts: list[list[int]], pad_id: int,
               eos_id: int) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     """Transformers' batched greedy generate (left-padded) on its own load of the GGUF file.
 
     Returns each prompt's new tokens up to and including EOS, and its per-step logits.
     """
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
-                                                 gguf_file=os.path.basename(path),
-                                                 dtype=dtype).eval()
     width = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -111,9 +119,9 @@ def test_tokenizer_and_chat_template_from_metadata_match_transformers(gguf_path,
     assert ours.all_special_ids[:3] == [0, 1, 2]
 
 
-def test_greedy_equals_transformers_gguf_batched_chunked_prefix_cached(gguf_path, hf_tokenizer,
-                                                                       chat_prompt_ids):
-    ref, _ = hf_greedy(gguf_path, torch.float32, chat_prompt_ids, hf_tokenizer.pad_token_id,
+def test_greedy_equals_transformers_gguf_batched_chunked_prefix_cached(
+        gguf_path, hf_tokenizer, hf_model, chat_prompt_ids):
+    ref, _ = hf_greedy(hf_model, chat_prompt_ids, hf_tokenizer.pad_token_id,
                        hf_tokenizer.eos_token_id)
     llm = _engine(gguf_path, "float32")
     try:
@@ -135,7 +143,8 @@ def test_greedy_equals_transformers_gguf_batched_chunked_prefix_cached(gguf_path
 
 @pytest.mark.parametrize("isa", ["best", "avx2"])
 def test_bfloat16_greedy_tracks_transformers_bf16_up_to_near_ties(
-        gguf_path, chat_prompt_ids, isa: str, request: pytest.FixtureRequest, tmp_path):
+        gguf_path, chat_prompt_ids, hf_model, isa: str, request: pytest.FixtureRequest,
+        tmp_path):
     """Each of our bf16 tokens must be transformers' bf16 argmax given the prompt and our
     tokens before it, or tie with it within GGUF_TIE_ULPS bf16 steps (tests/bf16_referee.py):
     at a near-tie either side may go either way, so whole answers may part ("Translate 'good
@@ -143,8 +152,6 @@ def test_bfloat16_greedy_tracks_transformers_bf16_up_to_near_ties(
     path). On each ISA path this CPU has down to avx2, the one AVX2-only machines run."""
     if not runs_here(isa, request, tmp_path):
         return
-    from transformers import AutoModelForCausalLM
-
     from engine.kernels import compiled
 
     llm = _engine(gguf_path, "bfloat16")
@@ -155,8 +162,6 @@ def test_bfloat16_greedy_tracks_transformers_bf16_up_to_near_ties(
     finally:
         llm.shutdown()
     assert sum(map(len, ours)) >= 6 * NEW_TOKENS  # real answers, not early stops
-    ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path),
-                                               gguf_file=os.path.basename(gguf_path),
-                                               dtype=torch.bfloat16).eval()
+    ref = copy.deepcopy(hf_model).to(torch.bfloat16)
     print(judge(ref, chat_prompt_ids, ours, f"SmolLM2 GGUF on {compiled().get_isa()}",
                 tie_ulps=GGUF_TIE_ULPS))
