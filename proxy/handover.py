@@ -45,6 +45,7 @@ logger = logging.getLogger("pdserve.proxy")
 
 _REPLACEMENT = "\ufffd"
 _LENGTH = b'"finish_reason":"length"'
+_TOKEN_TYPES = {int, bool}  # what isinstance(t, int) takes from JSON; judged in C (hot path)
 
 
 class RequestContext(Protocol):  # proxy/flow.py's, as far as a handover reads it
@@ -88,7 +89,7 @@ def eligible(route: str, body: dict[str, Any]) -> bool:
         return False
     prompt = body.get("prompt")
     return route == CHAT or isinstance(prompt, str) or (
-        isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))
+        isinstance(prompt, list) and set(map(type, prompt)) <= _TOKEN_TYPES)
 
 
 def stop_hold(body: dict[str, Any]) -> int:

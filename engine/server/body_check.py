@@ -20,6 +20,7 @@ MAX_JSON_DEPTH = 64  # the deepest legitimate body (chat content parts, kv param
 
 _MAX_PATH = 120  # a path names client keys: bounded, so an error message stays short
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_SCALARS = {int, float, bool, type(None)}  # JSON values with nothing in them to judge
 
 
 def body_problem(body: Any, max_depth: int = MAX_JSON_DEPTH) -> tuple[str, str] | None:
@@ -43,7 +44,7 @@ def body_problem(body: Any, max_depth: int = MAX_JSON_DEPTH) -> tuple[str, str] 
                 if isinstance(key, str) and _SURROGATE.search(key) is not None:
                     return path or "body", "a key is not valid Unicode (lone surrogate)"
                 stack.append((item, _join(path, key), depth + 1))
-        else:
+        elif not set(map(type, value)) <= _SCALARS:  # token ids: judged in C, no walk
             stack.extend((item, _join(path, i), depth + 1) for i, item in enumerate(value))
     return None
 
