@@ -305,13 +305,15 @@ def build_app(config: ProxyConfig) -> FastAPI:
     app.state.proxy = state
     app.add_middleware(HopMiddleware, metrics=state.metrics)  # pdserve:proxy_hop_seconds
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await state.generate(request, COMPLETIONS)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await state.generate(request, CHAT)
+
+    # plain Starlette routes: the two hot ones skip FastAPI's per-request dependency solving
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -165,6 +165,9 @@ class Dispatcher:
             lease = self.router.lease_prefill(route, view, exclude=tried)
             if lease is None:
                 raise self._no_healthy(ctx, self.prefill, errors)
+            coords = self.kv_info.cached(lease.url)  # the common case: no task, no wait
+            if coords is not None:
+                return lease, coords
             try:
                 return lease, await self._kv_info(ctx, lease, self.kv_info.get(lease.url))
             except KVInfoError as exc:

@@ -121,6 +121,14 @@ class KVInfoCache:
         self._entries: dict[str, asyncio.Future[PrefillCoordinates]] = {}
         self._absent: set[str] = set()  # URLs get_optional found without usable info
 
+    def cached(self, url: str) -> PrefillCoordinates | None:
+        """`url`'s coordinates when already fetched (no task, no wait: every request's hot
+        path), else None: then `get`."""
+        fut = self._entries.get(url)
+        if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
+            return None
+        return fut.result()
+
     async def get(self, url: str) -> PrefillCoordinates:
         fut = self._entries.get(url)
         if fut is None or (fut.done() and (fut.cancelled() or fut.exception() is not None)):
