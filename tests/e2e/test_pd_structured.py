@@ -11,11 +11,13 @@ import pytest
 from first_token_kit import SEEDED, check_equal, post
 from pd_harness import deployment, metric
 from structured_kit import PERSON, TOOLS, valid_call, validates
+from tokenize_once_kit import tokenizations
 
 
 @pytest.fixture(scope="module")
 def pd(tiny_model: str):
-    with deployment(tiny_model, "push") as dep:
+    # the proxy tokenizes once (tests/tokenize_once_kit.py): grammars and tools unchanged
+    with deployment(tiny_model, "push", proxy_args=("--tokenizer", tiny_model)) as dep:
         yield dep
 
 
@@ -58,10 +60,12 @@ def test_required_tool_call_through_pd_equals_colocated(pd) -> None:
         return [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]]
 
     colocated = calls(post(pd.d.url, "/v1/chat/completions", body))
-    seeded = metric(pd.d, SEEDED)
+    seeded, counts = metric(pd.d, SEEDED), tokenizations(pd.d)
     via = calls(post(pd.proxy.url, "/v1/chat/completions", body))
     assert via == colocated and len(via) == 1 and valid_call(*via[0]), (via, colocated)
     assert metric(pd.d, SEEDED) == seeded + 1
+    # D took the prompt the proxy rendered with the tools (the engine's own template path)
+    assert tokenizations(pd.d) == {**counts, "given": counts["given"] + 1}
 
 
 @pytest.fixture(scope="module")
