@@ -43,10 +43,17 @@ def _role(module: str, model: str, engine_id: str, env: dict[str, str]) -> Serve
 
 
 def _pin(server: ServerProcess, core: int | None) -> None:
+    """Every thread of the server's processes on `core`: psutil's cpu_affinity pins a
+    process's main thread only, which left P's transfer thread (its WRITE's copy), output
+    thread and API-server threads free to run on D's core."""
     if core is None:
         return
     for p in [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]:
-        p.cpu_affinity([core])
+        for thread in p.threads():
+            try:
+                os.sched_setaffinity(thread.id, {core})
+            except (ProcessLookupError, PermissionError):
+                pass  # a thread that ended meanwhile
 
 
 def _stream(url: str, body: dict) -> tuple[float, float | None]:
