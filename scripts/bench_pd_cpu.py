@@ -179,10 +179,11 @@ def measure(kind: str, servers: dict[str, ServerProcess], url: str, texts: list[
             "cpu_ms_per_request": round(1e3 * total / len(texts), 2), "servers": cpu}, answers
 
 
-def colocated(args: argparse.Namespace, texts: list[str]) -> tuple[dict[str, Any], list[str]]:
+def colocated(args: argparse.Namespace, env: dict[str, str],
+              texts: list[str]) -> tuple[dict[str, Any], list[str]]:
     server = launch_server(args.model, "--num-kv-blocks", str(args.num_blocks),
                            "--max-model-len", "1024", "--served-model-name", "m",
-                           "--log-level", "warning", env={**ENV, **args.env})
+                           "--log-level", "warning", env={**ENV, **env})
     try:
         result = measure("colocated", {"engine": server}, server.url, texts, args.output_len,
                          args.top)
@@ -192,8 +193,9 @@ def colocated(args: argparse.Namespace, texts: list[str]) -> tuple[dict[str, Any
         server.stop()
 
 
-def pd(args: argparse.Namespace, texts: list[str]) -> tuple[dict[str, Any], list[str]]:
-    env = {**ENV, **args.env}
+def pd(args: argparse.Namespace, extra: dict[str, str],
+       texts: list[str]) -> tuple[dict[str, Any], list[str]]:
+    env = {**ENV, **extra}
     procs = []
     try:
         for module, eid in (("prefill", "P0"), ("decode", "D0")):
@@ -204,9 +206,10 @@ def pd(args: argparse.Namespace, texts: list[str]) -> tuple[dict[str, Any], list
         for s in procs:
             s.wait_healthy(180)
         old = os.environ.copy()
-        os.environ.update(args.env)  # start_proxy passes os.environ on
+        os.environ.update(extra)  # start_proxy passes os.environ on
         try:
-            proxy = start_proxy([procs[0].url], [procs[1].url], "push")
+            proxy = start_proxy([procs[0].url], [procs[1].url], "push",
+                                *(("--tokenizer", args.model) if args.proxy_tokenizer else ()))
         finally:
             os.environ.clear()
             os.environ.update(old)
@@ -227,6 +230,11 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VAL")
+    ap.add_argument("--baseline-env", action="append", default=[], metavar="KEY=VAL",
+                    help="also run both deployments with these on top of --env, in every "
+                         "round right after the defaults (e.g. PDSERVE_CORE_SHARE=0)")
+    ap.add_argument("--proxy-tokenizer", action="store_true",
+                    help="the proxy tokenizes once (--tokenizer MODEL): no engine encodes")
     ap.add_argument("--top", type=int, default=8, help="threads listed per server")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="result JSON")
@@ -242,24 +250,31 @@ def main() -> None:
     # a private one, so the measure is one P and one D sharing the cores, not whatever other
     # engines run on this host.
     args.env.setdefault("PDSERVE_CORE_REGISTRY", tempfile.mkdtemp(prefix="pd-cpu-cores-"))
+    settings = {"default": args.env}
+    if args.baseline_env:
+        settings["baseline"] = {**args.env,
+                                **dict(kv.split("=", 1) for kv in args.baseline_env)}
     texts = prompts(args.num_requests, args.seed)
     runs: list[dict[str, Any]] = []
     for r in range(args.rounds):
-        col, want = colocated(args, texts)
-        dis, got = pd(args, texts)
-        diff = sum(a != b for a, b in zip(want, got, strict=True))
-        runs.append({"round": r, "colocated": col, "pd": dis, "answers_differ": diff,
-                     "cpu_ratio": round(dis["cpu_s"] / col["cpu_s"], 3),
-                     "wall_ratio": round(dis["wall_s"] / col["wall_s"], 3)})
-        print(f"round {r}: pd/colocated CPU {runs[-1]['cpu_ratio']:.2f}x  wall "
-              f"{runs[-1]['wall_ratio']:.2f}x  answers differing {diff}/{len(texts)}",
-              flush=True)
-        if diff:
-            raise SystemExit(f"{diff} P/D answers differ from the colocated ones")
+        for setting, env in settings.items():
+            col, want = colocated(args, env, texts)
+            dis, got = pd(args, env, texts)
+            diff = sum(a != b for a, b in zip(want, got, strict=True))
+            runs.append({"round": r, "setting": setting, "load_avg": os.getloadavg(),
+                         "colocated": col, "pd": dis, "answers_differ": diff,
+                         "cpu_ratio": round(dis["cpu_s"] / col["cpu_s"], 3),
+                         "wall_ratio": round(dis["wall_s"] / col["wall_s"], 3)})
+            print(f"round {r} {setting}: pd/colocated CPU {runs[-1]['cpu_ratio']:.2f}x  wall "
+                  f"{runs[-1]['wall_ratio']:.2f}x  answers differing {diff}/{len(texts)}  "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
+            if diff:
+                raise SystemExit(f"{diff} P/D answers differ from the colocated ones")
     result = {"cpu": platform.processor() or _model_name(), "model_name": _model_name(),
               "cores": len(os.sched_getaffinity(0)), "load_avg": os.getloadavg(),
               "num_requests": args.num_requests, "output_len": args.output_len,
-              "model": args.model, "env": args.env, "runs": runs}
+              "model": args.model, "env": args.env, "settings": settings,
+              "proxy_tokenizer": args.proxy_tokenizer, "runs": runs}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from engine.threads import SHARE_ENV, CoreShare, apply_thread_defaults
+from engine.threads import REGISTRY_ENV, SHARE_ENV, CoreShare, apply_thread_defaults, core_share
 
 HOLDER = """
 import sys, time
@@ -104,3 +104,44 @@ def test_the_server_turns_sharing_on_unless_the_user_chose() -> None:
     env = {SHARE_ENV: "0"}
     assert SHARE_ENV not in apply_thread_defaults(env) and env[SHARE_ENV] == "0"
 
+
+SERVER_PROCESS = """
+import torch
+from engine.threads import core_share
+torch.set_num_threads(2)
+share = core_share(torch.get_num_threads())
+share.tick()
+print(torch.get_num_threads(), flush=True)
+"""
+
+
+def test_a_server_model_process_narrows_torchs_pool(tmp_path) -> None:
+    """The runner's path: core_share + tick on the model's thread change torch's own count
+    when a second model process is registered on the same two CPUs."""
+    if not {0, 1} <= os.sched_getaffinity(0):
+        pytest.skip("needs CPUs 0 and 1")
+    other = CoreShare(2, directory=str(tmp_path), cpus=frozenset({0, 1}))
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update({SHARE_ENV: "1", REGISTRY_ENV: str(tmp_path)})
+    out = subprocess.run(
+        ["taskset", "-c", "0,1", sys.executable, "-c", SERVER_PROCESS], env=env,
+        capture_output=True, text=True, timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "1"
+    other.close()
+
+
+def test_the_users_thread_count_stands_and_opting_out_registers_nothing(
+        tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(REGISTRY_ENV, str(tmp_path))
+    monkeypatch.setenv(SHARE_ENV, "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    fixed = core_share(2)
+    assert fixed is not None and fixed._set is None  # counted by the others, never narrowed
+    assert os.listdir(tmp_path) == [fixed.name]
+    fixed.close()
+    monkeypatch.setenv(SHARE_ENV, "0")
+    assert core_share(2) is None and os.listdir(tmp_path) == []
+    monkeypatch.delenv(SHARE_ENV)
+    assert core_share(2) is None  # an offline LLM: no server set it
