@@ -64,14 +64,14 @@ def pull_decode_params(p_response: Any) -> dict[str, Any] | None:
 
 
 def prefill_leg_body(body: dict[str, Any], route: str, kv_params: dict[str, Any],
-                     rank: int | None = None, prompt_ids: list[int] | None = None
+                     rank: int | None = None, prompt: dict[str, Any] | None = None
                      ) -> dict[str, Any]:
     """The client's request cut down to a prefill: one token, one choice, no stream; pinned
-    to data-parallel rank `rank` of P when given; with the prompt's `prompt_ids` when the
-    proxy tokenized it (proxy/routing.py PromptTokens: P encodes nothing)."""
+    to data-parallel rank `rank` of P when given; with the prompt's ids when the proxy
+    tokenized it (`prompt`: proxy/routing.py PromptTokens.for_legs; P encodes nothing)."""
     leg = dict(body)
-    if prompt_ids is not None:
-        leg["prompt_token_ids"] = prompt_ids
+    if prompt is not None:
+        leg.update(prompt)
     if rank is not None:
         leg["data_parallel_rank"] = rank
     leg["max_tokens"] = 1
@@ -90,12 +90,12 @@ def prefill_leg_body(body: dict[str, Any], route: str, kv_params: dict[str, Any]
 
 
 def decode_leg_body(body: dict[str, Any], kv_params: dict[str, Any] | None,
-                    prompt_ids: list[int] | None = None) -> dict[str, Any]:
+                    prompt: dict[str, Any] | None = None) -> dict[str, Any]:
     """The client's request as sent; without kv_params D computes the prompt itself. With
-    the prompt's `prompt_ids` when the proxy tokenized it (D encodes nothing)."""
+    the prompt's ids when the proxy tokenized it (`prompt`, as above; D encodes nothing)."""
     leg = dict(body)
-    if prompt_ids is not None:
-        leg["prompt_token_ids"] = prompt_ids
+    if prompt is not None:
+        leg.update(prompt)
     if kv_params is None:
         leg.pop("kv_transfer_params", None)
     else:

@@ -265,7 +265,8 @@ class MigratingStream:
             return None
         leg: dict[str, Any] = ({k: body[k] for k in _SHARED if k in body} if chat
                                else {k: v for k, v in body.items() if k not in (
-                                   "kv_transfer_params", "echo", "prompt_token_ids")})
+                                   "kv_transfer_params", "echo", "prompt_token_ids",
+                                   "prompt_tokenizer")})
         leg.update(prompt=plan.prompt_ids + plan.sent, stream=True, return_token_ids=True,
                    max_tokens=None if limit is None else limit - n,
                    min_tokens=max(0, int(body.get("min_tokens") or 0) - n))

@@ -53,16 +53,24 @@ THREAD_MIN_CHARS = 4096
 
 @dataclass(frozen=True)
 class PromptTokens:
-    """A request's prompt token ids as the engines will see them (None: unknown). `send`:
-    the proxy made them with the engine's own code, so both legs carry them as
-    `prompt_token_ids` and neither engine tokenizes the prompt again."""
+    """A request's prompt token ids as the engines will see them (None: unknown). `made_by`:
+    the proxy made them with the engine's own code and this tokenizer (its fingerprint), so
+    both legs carry them as `prompt_token_ids` (with `prompt_tokenizer`: an engine with
+    another tokenizer encodes the text itself) and neither engine tokenizes the prompt."""
 
     ids: list[int] | None = None
-    send: bool = False
+    made_by: str | None = None
 
     @property
-    def for_legs(self) -> list[int] | None:
-        return self.ids if self.send else None
+    def send(self) -> bool:
+        return self.ids is not None and self.made_by is not None
+
+    @property
+    def for_legs(self) -> dict[str, Any] | None:
+        """The fields both legs' bodies get (proxy/legs.py); None: none."""
+        if not self.send:
+            return None
+        return {"prompt_token_ids": self.ids, "prompt_tokenizer": self.made_by}
 
 
 NO_TOKENS = PromptTokens()
@@ -231,6 +239,11 @@ class Router:
         self.index = index
         self.metrics = metrics
         self.tokenizer = tokenizer
+        self.fingerprint: str | None = None  # the tokenizer's, sent with the ids it made
+        if tokenizer is not None:
+            from engine.frontend.input_processor import tokenizer_fingerprint
+
+            self.fingerprint = tokenizer_fingerprint(tokenizer)
         self._pool: ThreadPoolExecutor | None = None  # made at the first long prompt
 
     def route(self, tokens: PromptTokens) -> tuple[Route, RequestView] | None:
@@ -308,7 +321,7 @@ class Router:
                 from engine.server.chat import prompt_ids_for
 
                 return PromptTokens(prompt_ids_for(self.tokenizer, body,
-                                                   release_gil=release_gil), send=True)
+                                                   release_gil=release_gil), self.fingerprint)
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                 prompt = prompt[0]
@@ -318,7 +331,7 @@ class Router:
                 from engine.frontend.input_processor import encode_prompt
 
                 return PromptTokens(encode_prompt(self.tokenizer, prompt,
-                                                  release_gil=release_gil), send=True)
+                                                  release_gil=release_gil), self.fingerprint)
         except Exception as exc:  # the engine will answer the client's mistake itself
             logger.debug("routing: prompt not tokenized: %s", exc)
         return NO_TOKENS

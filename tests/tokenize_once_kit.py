@@ -9,12 +9,15 @@ D itself, asked without kv_transfer_params (it encodes the text: the counter pro
 
 from __future__ import annotations
 
+import os
+import shutil
 from typing import Any
 
 import httpx
 from first_token_kit import _strip, flatten, post, prompt, stream
 from pd_harness import Deployment, start_proxy
 
+from engine.models.formats import load_tokenizer
 from pdserve.launcher import ServerProcess
 
 TOKENIZATIONS = "pdserve:prompt_tokenizations_total"
@@ -116,3 +119,33 @@ def check_proxy_without_tokenizer_encodes_on_d(dep: Deployment) -> None:
             assert moved == ({"encoded": 1, "given": 0},) * 2, (path, moved)
     finally:
         plain.stop()
+
+
+def foreign_tokenizer(model: str, out_dir: str) -> str:
+    """`model`'s tokenizer files with a tokenizer trained on another seed in `out_dir`: the
+    same vocabulary size and chat template, other merges (its ids are in the vocabulary,
+    and wrong)."""
+    from engine.models.tiny_tokenizer import train_tokenizer
+
+    for name in ("config.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(model, name), out_dir)
+    train_tokenizer(len(load_tokenizer(model)), seed=1).save(
+        os.path.join(out_dir, "tokenizer.json"))
+    return out_dir
+
+
+def check_foreign_tokenizer_is_not_trusted(dep: Deployment, tokenizer_dir: str) -> None:
+    """A proxy started with another model's --tokenizer sends ids the engines' tokenizer
+    would not make; its fingerprint (`prompt_tokenizer`) gives it away: the engines encode
+    the text themselves (counted) and the answers equal the colocated server's."""
+    foreign = start_proxy([dep.p.url], [d.url for d in dep.decodes], dep.mode,
+                          "--tokenizer", tokenizer_dir)
+    try:
+        for path, body in text_bodies(950):
+            colocated = _answer(dep.d.url, path, body, False)
+            p0, d0 = tokenizations(dep.p), tokenizations(dep.d)
+            assert _answer(foreign.url, path, body, False) == colocated, path
+            moved = _moved(p0, dep.p), _moved(d0, dep.d)
+            assert moved == ({"encoded": 1, "given": 0},) * 2, (path, moved)
+    finally:
+        foreign.stop()

@@ -7,6 +7,8 @@ with `param` set, and nothing half-validated is ever queued.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import secrets
 from collections.abc import Callable, Mapping
@@ -59,6 +61,23 @@ def encode_prompt(tokenizer: Any, text: str, *, release_gil: bool = False) -> li
     if release_gil and hasattr(tokenizer, "encode_batch"):
         return list(tokenizer.encode_batch([text], add_special_tokens=True)[0])
     return list(tokenizer.encode(text, add_special_tokens=True))
+
+
+# Text whose ids tell tokenizers apart: words, digits, punctuation, accents, CJK, an emoji,
+# whitespace runs, code, and text shaped like special tokens.
+_PROBE = ("Tokenizer probe: Hello, World! 12345 67.89 e\u0301 ü ß 日本語の文章 한국어 😀 \n\t  "
+          "def f(x):\n    return x ** 2  # </s> <|im_end|> [INST] <s> ¿¡ -- ... ---")
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """16 hex characters that differ between two tokenizers that would give a prompt other
+    ids or another chat rendering (vocabulary size, special ids, chat template, the ids of a
+    probe text). A proxy that tokenizes once sends it with the ids; an engine whose own
+    differs encodes the text itself (engine/server/serving.py)."""
+    parts = [len(tokenizer), getattr(tokenizer, "bos_token_id", None),
+             getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "chat_template", None),
+             list(tokenizer.encode(_PROBE, add_special_tokens=True))]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
 class InputProcessor:

@@ -115,9 +115,9 @@ async def create_chat_completion(
     plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.tool_call_parser)
     params = with_tool_grammar(ctx.with_defaults(body, body.to_sampling_params()), plan)
     check_prompt_logprobs_leg(params, body.kv_transfer_params, ctx.kv_spec)
-    if body.prompt_token_ids is not None:  # rendered and encoded once, by the proxy
-        prompt: dict[str, Any] = {
-            "prompt_token_ids": given_prompt_ids(ctx, body.prompt_token_ids)}
+    given = given_prompt_ids(ctx, body)
+    if given is not None:  # rendered and encoded once, by the proxy
+        prompt: dict[str, Any] = {"prompt_token_ids": given}
     else:
         prompt = request_prompt(ctx.tokenizer, body, plan)
         count_prompt(ctx, "encoded")

@@ -63,8 +63,9 @@ def _engine_prompts(ctx: ServingContext, body: CompletionRequest) -> list[Any]:
         if len(prompts) != 1 or not isinstance(prompts[0], str):
             raise APIError("prompt_token_ids goes with exactly one text prompt",
                            param="prompt_token_ids")
-        return [{"prompt_token_ids": given_prompt_ids(ctx, body.prompt_token_ids),
-                 "prompt": prompts[0]}]
+        given = given_prompt_ids(ctx, body)
+        if given is not None:
+            return [{"prompt_token_ids": given, "prompt": prompts[0]}]
     for p in prompts:
         count_prompt(ctx, "encoded" if isinstance(p, str) else "given")
     return [_engine_prompt(p) for p in prompts]

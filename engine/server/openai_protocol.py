@@ -116,6 +116,9 @@ class _SamplingFields(_Request):
     # --tokenizer renders and encodes once for both legs, proxy/routing.py); given, the server
     # skips the chat template and the encode and uses them (engine/server/serving.py checks)
     prompt_token_ids: list[StrictTokenId] | None = None
+    # pdserve's: the fingerprint of the tokenizer that made prompt_token_ids; one that is not
+    # this server's own means those ids are not its ids: the server encodes the text itself
+    prompt_tokenizer: str | None = None
 
     def wanted_prompt_logprobs(self) -> int | None:
         """Top-N of the prompt logprobs the engine must compute (None: none)."""

@@ -26,7 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from engine.client.base import EngineDeadError
 from engine.connector_api import ConnectorSpec
-from engine.frontend.input_processor import make_internal_request_id
+from engine.frontend.input_processor import make_internal_request_id, tokenizer_fingerprint
 from engine.protocol import SamplingParams
 from engine.server.errors import APIError, dead_engine_error, error_body, from_value_error
 
@@ -51,6 +51,14 @@ class ServingContext:
     # --generation-config: sampling fields a request that gives none of its own gets
     default_sampling: dict[str, Any] = field(default_factory=dict)
     tool_call_parser: str | None = None  # tool_choice auto's parser; None: auto is a 400
+    _fingerprint: str | None = None  # the tokenizer's (tokenizer_fingerprint), made once
+    _foreign: set[str] = field(default_factory=set)  # other fingerprints seen (logged once)
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = tokenizer_fingerprint(self.tokenizer)
+        return self._fingerprint
 
     def with_defaults(self, body: Any, params: SamplingParams) -> SamplingParams:
         """`params` with the server's default sampling fields the client did not give."""
@@ -84,11 +92,23 @@ def count_prompt(ctx: ServingContext, source: str) -> None:
         ctx.metrics.prompt_tokenizations.labels(source=source).inc()
 
 
-def given_prompt_ids(ctx: ServingContext, ids: list[int]) -> list[int]:
+def given_prompt_ids(ctx: ServingContext, body: Any) -> list[int] | None:
     """A request's `prompt_token_ids` (pdserve's field: a proxy tokenized the prompt once for
-    both legs), used instead of rendering and encoding the prompt. Each refusal is a 400
-    naming the field; ids outside the vocabulary are the input processor's refusal (its
-    message starts with the field too)."""
+    both legs), used instead of rendering and encoding the prompt; None when there are none,
+    or when `prompt_tokenizer` names another tokenizer than this server's (a proxy started
+    with another model's --tokenizer: the caller encodes the text, and it is logged once).
+    Each refusal is a 400 naming the field; ids outside the vocabulary are the input
+    processor's refusal (its message starts with the field too)."""
+    ids, made_by = body.prompt_token_ids, body.prompt_tokenizer
+    if ids is None:
+        return None
+    if made_by is not None and ctx.tokenizer is not None and made_by != ctx.fingerprint:
+        if made_by not in ctx._foreign and len(ctx._foreign) < 64:
+            ctx._foreign.add(made_by)
+            logger.warning("prompt_token_ids made by tokenizer %s, not this server's (%s): "
+                           "the prompt is encoded here (is the proxy's --tokenizer the "
+                           "served model?)", made_by[:32], ctx.fingerprint)
+        return None
     if not ids:
         raise APIError("prompt_token_ids must not be empty", param="prompt_token_ids")
     if ctx.max_model_len is not None and len(ids) >= ctx.max_model_len:

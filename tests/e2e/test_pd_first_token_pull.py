@@ -19,7 +19,11 @@ from handover_kit import (
     check_streams_exact,
 )
 from pd_harness import deployment, metric
-from tokenize_once_kit import check_tokenized_once
+from tokenize_once_kit import (
+    check_foreign_tokenizer_is_not_trusted,
+    check_tokenized_once,
+    foreign_tokenizer,
+)
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +82,8 @@ def test_pull_first_token_outside_the_vocabulary_is_recomputed_or_refused(pd, ba
 
 def test_pull_prompt_tokenized_once_by_the_proxy(pd):
     check_tokenized_once(pd)
+
+
+def test_pull_proxy_with_another_tokenizer_lets_the_engines_encode(pd, tiny_model,
+                                                                   tmp_path):
+    check_foreign_tokenizer_is_not_trusted(pd, foreign_tokenizer(tiny_model, str(tmp_path)))

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from engine.frontend.input_processor import tokenizer_fingerprint
 from engine.models.formats import load_tokenizer
 from engine.server.chat import request_prompt
 from engine.server.openai_protocol import ChatCompletionRequest
@@ -60,6 +61,18 @@ def test_long_prompts_go_to_the_thread_with_the_same_ids(router: Router) -> None
     short = {"prompt": "short"}
     assert asyncio.run(router.prompt_tokens(short, False)) == router.tokenize(short, False)
     assert router.tokenize(short, False).ids == router.tokenizer.encode("short")
+
+
+def test_the_ids_go_with_the_tokenizer_s_fingerprint(router: Router, tiny_model: str,
+                                                     tmp_path) -> None:
+    from tokenize_once_kit import foreign_tokenizer
+
+    legs = router.tokenize({"prompt": "hello"}, False).for_legs
+    assert legs == {"prompt_token_ids": router.tokenizer.encode("hello"),
+                    "prompt_tokenizer": tokenizer_fingerprint(load_tokenizer(tiny_model))}
+    other = load_tokenizer(foreign_tokenizer(tiny_model, str(tmp_path)))
+    assert len(other) == len(router.tokenizer)
+    assert tokenizer_fingerprint(other) != legs["prompt_tokenizer"]
 
 
 def test_ids_the_proxy_did_not_make_are_not_sent(router: Router) -> None:
