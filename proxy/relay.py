@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import anyio
@@ -92,6 +93,7 @@ class RelayResponse(Response):
         self.on_first_byte = on_first_byte
         self.on_close = on_close
         self._sent_first_byte = False
+        self._tail = b""  # the last bytes sent, for the [DONE] check
         self._upstream_ended = False
         self.status_code = 200
         self.background = None
@@ -105,10 +107,15 @@ class RelayResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         reason = COMPLETED
-        pump = asyncio.ensure_future(self._pump(send))
-        listener = asyncio.ensure_future(wait_for_disconnect(receive))
+        tasks: list[asyncio.Future[Any]] = []
         try:
-            await asyncio.wait({pump, listener}, return_when=asyncio.FIRST_COMPLETED)
+            # the head inline, not in the pump's task: the client's first byte does not wait
+            # for a turn of the loop (the proxy hop, issue 28)
+            complete = await self._send_head(send)
+            pump = asyncio.ensure_future(self._pump(send, complete))
+            listener = asyncio.ensure_future(wait_for_disconnect(receive))
+            tasks = [pump, listener]
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             if pump.done():
                 reason = pump.result()
             else:
@@ -126,7 +133,8 @@ class RelayResponse(Response):
             raise
         finally:
             try:
-                await cancel_and_wait(pump, listener)
+                if tasks:
+                    await cancel_and_wait(*tasks)
                 if reason == COMPLETED and not self._upstream_ended:
                     await self._drain_upstream()
                 self.stream.close()
@@ -143,26 +151,39 @@ class RelayResponse(Response):
             except (aiohttp.ClientError, TimeoutError):
                 pass
 
-    async def _pump(self, send: Send) -> str:
+    async def _send_head(self, send: Send) -> bool:
+        """The response start and D's first chunk; True when that chunk ends the SSE answer."""
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
         chunk = self.stream.first_chunk
-        tail = b""
+        if not chunk:
+            return False
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        self._sent_first_byte = True
+        self.on_first_byte()
+        self._tail = chunk[-32:]
+        return self.stream.is_sse and ends_with_done_event(self._tail)
+
+    async def _pump(self, send: Send, complete: bool) -> str:
+        """D's chunks after the first (`_send_head`), to the end of the answer."""
+        chunk = None if self.stream.first_chunk is None else b""
+        tail = self._tail
         try:
-            while chunk is not None:
+            # a complete answer ends now, not when D closes its body, or a client that
+            # hangs up at [DONE] would look like a disconnect
+            while chunk is not None and not complete:
                 if chunk:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     if not self._sent_first_byte:
                         self._sent_first_byte = True
                         self.on_first_byte()
                     tail = (tail + chunk)[-32:]
-                    if self.stream.is_sse and ends_with_done_event(tail):
-                        # the answer is complete: end it now, not when D closes its body,
-                        # or a client that hangs up at [DONE] would look like a disconnect
+                    complete = self.stream.is_sse and ends_with_done_event(tail)
+                    if complete:
                         break
                 chunk = await self._next()
             else:
-                self._upstream_ended = True
+                self._upstream_ended = chunk is None
         except _Abort as abort:
             logger.warning("request %s: stream ended early (%s): %s",
                            self.request_id, abort.reason, abort.error.message)
