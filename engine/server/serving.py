@@ -105,7 +105,7 @@ def given_prompt_ids(ctx: ServingContext, body: Any) -> list[int] | None:
     if made_by is not None and ctx.tokenizer is not None and made_by != ctx.fingerprint:
         if made_by not in ctx._foreign and len(ctx._foreign) < 64:
             ctx._foreign.add(made_by)
-            logger.warning("prompt_token_ids made by tokenizer %s, not this server's (%s): "
+            logger.warning("prompt_token_ids made by tokenizer %r, not this server's (%s): "
                            "the prompt is encoded here (is the proxy's --tokenizer the "
                            "served model?)", made_by[:32], ctx.fingerprint)
         return None
