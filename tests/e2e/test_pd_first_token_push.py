@@ -87,13 +87,31 @@ def _cpu(procs: list[psutil.Process]) -> float:
     return sum(p.cpu_times().user + p.cpu_times().system for p in procs)
 
 
-def _window_cpu(procs: list[psutil.Process]) -> float:
-    """The share of a core `procs` use over one period of the proxy's load poll of D (a
+def _wakes(pid: int) -> int:
+    """How often the main thread of process `pid` blocked and was woken (Linux)."""
+    with open(f"/proc/{pid}/task/{pid}/status") as f:
+        for line in f:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no voluntary_ctxt_switches for {pid}")
+
+
+def _window_cpu(procs: list[psutil.Process], loop_pid: int) -> tuple[float, float]:
+    """The share of a core `procs` use, and how often a second the engine core's busy loop
+    (the main thread of `loop_pid`) woke, over one period of the proxy's load poll of D (a
     /metrics render and a stats round-trip to the core) and its health checks: a
     measurement window, not a wait for a state."""
-    start, t0 = _cpu(procs), time.monotonic()
+    start, woke, t0 = _cpu(procs), _wakes(loop_pid), time.monotonic()
     time.sleep(LOAD_POLL_INTERVAL_S)
-    return (_cpu(procs) - start) / (time.monotonic() - t0)
+    took = time.monotonic() - t0
+    return (_cpu(procs) - start) / took, (_wakes(loop_pid) - woke) / took
+
+
+def _engine_core(api: psutil.Process) -> psutil.Process:
+    """The API server's engine-core child (spawned; not multiprocessing's resource tracker)."""
+    cores = [c for c in api.children() if "spawn_main" in " ".join(c.cmdline())]
+    assert len(cores) == 1, [c.cmdline() for c in api.children()]
+    return cores[0]
 
 
 def _d_params(pd) -> dict:
@@ -108,13 +126,15 @@ def test_d_waiting_for_kv_does_not_poll(pd):
     reach no P leg): D waits for KV on P's poke and the connector's wake-up, not on a poll.
     D's processes - its API server and its engine core, every thread - use at most 2 % of a
     core over one period of the proxy's load poll (issue 28's line; its health checks and
-    load poll fall in the window). Measured 0.6-0.8 % (idle 0.6 %); the engine loop's 50 ms
-    wake-ups while every request was parked, and the readers' 100 ms exit-flag polls, made
-    it 2.2-3.2 % (21 % with the 1 ms polls)."""
+    load poll fall in the window), and the parked engine loop wakes at most 5 times a second.
+    Measured 0.8-1.0 % (idle 0.4-0.6 %) and ~1 loop wake-up a second; the loop's 50 ms
+    wake-ups while every request was parked (20 a second), and the readers' 100 ms
+    exit-flag polls, made it 1.6-3.2 % (21 % with the 1 ms polls)."""
     d_params = _d_params(pd)
     api = psutil.Process(pd.d.pid)
     procs = [api, *api.children(recursive=True)]
-    idle = _window_cpu(procs)
+    core = _engine_core(api)
+    idle, _ = _window_cpu(procs, core.pid)
     sent = metric(pd.d, "pdserve:kv_push_registrations_sent_total")
 
     def leg(i: int) -> None:
@@ -129,11 +149,14 @@ def test_d_waiting_for_kv_does_not_poll(pd):
     wait_until(lambda: metric(pd.d, "pdserve:kv_push_registrations_sent_total") >= sent + 4,
                timeout=30, what="four registrations sent")
     failed = metric(pd.d, "pdserve:kv_recv_failed_total")
-    waiting = _window_cpu(procs)
+    waiting, loop_wakes = _window_cpu(procs, core.pid)
     # P refuses the strays only after its unknown-transfer timeout (10 s): all four still wait
     assert metric(pd.d, "pdserve:kv_recv_failed_total") == failed, "a leg stopped waiting"
     assert waiting <= 0.02, (
         f"D used {waiting:.1%} of a core with four legs waiting for KV ({idle:.1%} idle)")
+    # the parked loop blocks on its input queue: the backstop (1/s) and the proxy's stats
+    # call wake it, nothing else (a 50 ms wait woke it 20 times a second)
+    assert loop_wakes <= 5, f"D's engine loop woke {loop_wakes:.1f} times a second while parked"
     for t in legs:
         t.join(30)  # unregistered transfers: P refuses them (unknown_timeout) or D times out
     assert_no_leaks(pd.engines, timeout=60)
