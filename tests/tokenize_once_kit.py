@@ -63,18 +63,20 @@ def _moved(before: dict[str, float], server: ServerProcess) -> dict[str, float]:
     return {k: now[k] - before[k] for k in now}
 
 
-def check_tokenized_once(dep: Deployment) -> None:
-    """Through a proxy with --tokenizer, chat and completions, streamed and not: neither P
-    nor D encodes the prompt (their `encoded` counts stay), both take it as given, and the
-    answer (text, logprobs, token ids, usage) equals the colocated server's."""
-    assert dep.proxy is not None
+def check_tokenized_once(dep: Deployment, proxy: ServerProcess | None = None) -> None:
+    """Through a proxy with --tokenizer (`proxy`, else the deployment's), chat and
+    completions, streamed and not: neither P nor D encodes the prompt (their `encoded`
+    counts stay), both take it as given, and the answer (text, logprobs, token ids, usage)
+    equals the colocated server's."""
+    proxy = proxy or dep.proxy
+    assert proxy is not None
     for streamed in (False, True):
         for path, body in text_bodies(800 + 10 * streamed):
             if path == COMPLETIONS and not streamed:  # the text is kept for echo (its
                 body = {**body, "echo": True, "logprobs": None}  # logprobs: D alone)
             colocated = _answer(dep.d.url, path, body, streamed)
             p0, d0 = tokenizations(dep.p), tokenizations(dep.d)
-            via = _answer(dep.proxy.url, path, body, streamed)
+            via = _answer(proxy.url, path, body, streamed)
             assert via == colocated, (path, streamed, via, colocated)
             moved = _moved(p0, dep.p), _moved(d0, dep.d)
             assert moved == ({"encoded": 0, "given": 1},) * 2, (path, streamed, moved)
@@ -106,19 +108,26 @@ def check_bad_ids_refused(dep: Deployment) -> None:
                 assert param.startswith("prompt_token_ids"), (path, extra, r.text)
 
 
-def check_proxy_without_tokenizer_encodes_on_d(dep: Deployment) -> None:
-    """A proxy without --tokenizer sends no ids: the engines encode as before (counted), and
-    the answers still equal the colocated server's."""
-    plain = start_proxy([dep.p.url], [d.url for d in dep.decodes], dep.mode)
+def check_tokenized_once_by_another_proxy(dep: Deployment, model: str) -> None:
+    """check_tokenized_once through a proxy of its own started with --tokenizer `model`."""
+    proxy = start_proxy([dep.p.url], [d.url for d in dep.decodes], dep.mode,
+                        "--tokenizer", model)
     try:
-        for path, body in text_bodies(900):
-            colocated = _answer(dep.d.url, path, body, False)
-            p0, d0 = tokenizations(dep.p), tokenizations(dep.d)
-            assert _answer(plain.url, path, body, False) == colocated, path
-            moved = _moved(p0, dep.p), _moved(d0, dep.d)
-            assert moved == ({"encoded": 1, "given": 0},) * 2, (path, moved)
+        check_tokenized_once(dep, proxy)
     finally:
-        plain.stop()
+        proxy.stop()
+
+
+def check_proxy_without_tokenizer_encodes_on_d(dep: Deployment) -> None:
+    """The deployment's proxy, started without --tokenizer, sends no ids: the engines
+    encode as before (counted), and the answers still equal the colocated server's."""
+    assert dep.proxy is not None
+    for path, body in text_bodies(900):
+        colocated = _answer(dep.d.url, path, body, False)
+        p0, d0 = tokenizations(dep.p), tokenizations(dep.d)
+        assert _answer(dep.proxy.url, path, body, False) == colocated, path
+        moved = _moved(p0, dep.p), _moved(d0, dep.d)
+        assert moved == ({"encoded": 1, "given": 0},) * 2, (path, moved)
 
 
 def foreign_tokenizer(model: str, out_dir: str) -> str:

@@ -29,7 +29,7 @@ from pd_harness import assert_no_leaks, deployment, metric, wait_until
 from tokenize_once_kit import (
     check_bad_ids_refused,
     check_proxy_without_tokenizer_encodes_on_d,
-    check_tokenized_once,
+    check_tokenized_once_by_another_proxy,
 )
 
 from proxy.backends import LOAD_POLL_INTERVAL_S
@@ -37,8 +37,7 @@ from proxy.backends import LOAD_POLL_INTERVAL_S
 
 @pytest.fixture(scope="module")
 def pd(tiny_model: str):
-    # the proxy tokenizes once for both legs (tests/tokenize_once_kit.py)
-    with deployment(tiny_model, "push", proxy_args=("--tokenizer", tiny_model)) as dep:
+    with deployment(tiny_model, "push") as dep:  # a proxy without --tokenizer
         yield dep
 
 
@@ -178,8 +177,8 @@ def test_push_client_has_token_1_while_d_is_stopped(pd):
     check_first_token_before_decode(pd)
 
 
-def test_push_prompt_tokenized_once_by_the_proxy(pd):
-    check_tokenized_once(pd)
+def test_push_prompt_tokenized_once_by_the_proxy(pd, tiny_model):
+    check_tokenized_once_by_another_proxy(pd, tiny_model)
 
 
 def test_bad_prompt_token_ids_are_a_400_naming_the_field(pd):
