@@ -308,6 +308,10 @@ class Dispatcher:
     async def _open_decode(
         self, ctx: RequestContext, lease: Lease, body: dict[str, Any]
     ) -> DecodeStream:
+        # One turn of the loop first: P's leg, spawned just before, hands its bytes to the
+        # socket (aiohttp writes a body in a task of its own) before D's body is encoded and
+        # sent. P's bytes are on the client's TTFT path; D's wait for P's prefill anyway.
+        await asyncio.sleep(0)
         return await open_decode_leg(self.client, self.decode, lease, ctx.path, body,
                                      ctx.headers, self._leg_timeout(ctx), ctx.request_id)
 
