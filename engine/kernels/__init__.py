@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(n)
             for n in ("ops.cpp", "paged_attention.cpp", "prefill_attention.cpp", "rope.cpp",
-                      "rms_norm.cpp", "silu_mul.cpp", "skinny_linear.cpp", "roofline.cpp")]
+                      "rms_norm.cpp", "silu_mul.cpp", "skinny_linear.cpp", "roofline.cpp",
+                      "sgemm.cpp")]
 _HEADERS = [Path(__file__).with_name(n) for n in ("isa.h", "simd.h")]
 # -fopenmp: at::parallel_for is inlined into the kernel and parallel only with OpenMP on; the
 # extension then shares torch's own libgomp.so.1 (the loader finds it already loaded).

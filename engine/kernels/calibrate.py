@@ -14,7 +14,9 @@ The result (well under a second to measure) is stored beside the kernels' shared
 
 Which float32 gemm `large_linear` runs is measured the same way, once per thread count:
 oneDNN's matmul against F.linear (MKL's sgemm) on GEMM_ROWS rows of the same weight, best of
-REPEATS each; oneDNN where it is not slower (key "float32:threads:onednn").
+REPEATS each; oneDNN where it is not slower (key "float32:threads:onednn"). And the compiled
+sgemm (engine/kernels/sgemm.cpp) against that choice, once per thread count and kernel path
+(key "float32:threads:path:sgemm"): the compiled one where it is not slower.
 
 This module measures and stores; it is handed the gemms it times (the dispatch in linear.py
 passes its own), so it imports nothing above the kernels' build.
@@ -133,6 +135,10 @@ def threshold(dtype: torch.dtype, threads: int, isa: str, measure_now: Callable[
     return rows
 
 
+def _sgemm_key(threads: int, isa: str) -> str:
+    return f"float32:{threads}:{isa}:sgemm"
+
+
 def gemm_choice(threads: int, measure_now: Callable[[], bool]) -> bool:
     """The stored float32 gemm choice (True: oneDNN) at this thread count, measured by
     `measure_now()` and stored if this machine has none yet."""
@@ -149,3 +155,17 @@ def save_threshold(dtype: torch.dtype, threads: int, isa: str, rows: int) -> Non
 
 def save_gemm_choice(threads: int, onednn: bool) -> None:
     save(_gemm_key(threads), int(onednn))
+
+
+def sgemm_choice(threads: int, isa: str, measure_now: Callable[[], bool]) -> bool:
+    """The stored choice of the compiled sgemm (True) over the BLAS gemm at this thread count
+    and kernel path, measured by `measure_now()` and stored if this machine has none yet."""
+    wins, measured = _stored(_sgemm_key(threads, isa), measure_now)
+    if measured:
+        logger.info("float32 gemm at %d threads, %s path: %s (measured)", threads, isa,
+                    "compiled sgemm" if wins else "BLAS")
+    return bool(wins)
+
+
+def save_sgemm_choice(threads: int, isa: str, kernel: bool) -> None:
+    save(_sgemm_key(threads, isa), int(kernel))

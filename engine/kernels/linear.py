@@ -7,10 +7,13 @@ float32 or bfloat16 CPU inputs of at most `skinny_rows(dtype)` rows the compiled
 instead (bf16 with vdpbf16ps where the CPU has AVX512-BF16). The row threshold is measured
 on this machine for its dtype, thread count and kernel path (engine/kernels/
 calibrate.py); beyond it the blocked gemm wins. For float32 that gemm (`large_linear`) is
-oneDNN's matmul (torch's own mkldnn build, on the plain weight: no packed copy, full float32)
-where it is not slower than the MKL sgemm behind F.linear, which is measured once per machine
-and thread count like the thresholds: on an AVX-512 AMD EPYC it is 1.3x MKL on the model's
-prefill shapes (docs/performance.md). bf16 F.linear goes to oneDNN already.
+the compiled AVX2+FMA `sgemm` (engine/kernels/sgemm.cpp: 6x16 register tile, packed weight
+panels; a row's result independent of its batch) where this machine measured it faster than
+the BLAS choice below (per thread count and kernel path), else oneDNN's matmul (torch's own
+mkldnn build, on the plain weight: no packed copy, full float32) where it is not slower than
+the MKL sgemm behind F.linear, which is measured once per machine and thread count like the
+thresholds: on an AVX-512 AMD EPYC it is 1.3x MKL on the model's prefill shapes
+(docs/performance.md). bf16 F.linear goes to oneDNN already.
 PDSERVE_LINEAR=torch keeps F.linear everywhere.
 `fp32_kernels(x)` hands the layers the compiled `rope_` (rope.cpp: q and k rotated in place in
 a float32 q|k|v matmul output, one pass) and `add_rms_norm` (rms_norm.cpp); `act_kernels(x)`
@@ -46,11 +49,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def large_linear(x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """The gemm for a CPU x [M, in] of more rows than the skinny kernel takes: for float32
-    oneDNN's matmul (x of any row stride) where this machine measured it faster, else (and
-    with PDSERVE_LINEAR=torch) F.linear."""
-    if (ONEDNN and x.dtype == torch.float32 and weight.is_contiguous()
-            and os.environ.get("PDSERVE_LINEAR") != "torch"
-            and onednn_sgemm(torch.get_num_threads())):
+    the compiled AVX2 `sgemm` (sgemm.cpp) where this machine measured it faster than the BLAS
+    choice, else oneDNN's matmul (x of any row stride) where measured faster than MKL, else
+    (and with PDSERVE_LINEAR=torch) F.linear."""
+    if x.dtype == torch.float32 and os.environ.get("PDSERVE_LINEAR") != "torch":
+        threads = torch.get_num_threads()
+        kernel = linear_kernel()
+        if kernel is not None and kernel.get_isa() != "scalar" and kernel_sgemm(threads):
+            y = kernel.sgemm(x, weight)
+            return y if bias is None else y.add_(bias)
+        if ONEDNN and weight.is_contiguous() and onednn_sgemm(threads):
+            return onednn_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def blas_linear(x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 gemm `large_linear` runs without the compiled sgemm (oneDNN or MKL)."""
+    if ONEDNN and weight.is_contiguous() and onednn_sgemm(torch.get_num_threads()):
         return onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -66,6 +82,15 @@ def onednn_sgemm(threads: int) -> bool:
     """Whether float32 gemms beyond the skinny rows go to oneDNN at this thread count (else
     F.linear): measured once per machine, then read from the store."""
     return calibrate.gemm_choice(threads, lambda: calibrate.measure_gemm(onednn_linear, F.linear))
+
+
+@functools.cache
+def kernel_sgemm(threads: int) -> bool:
+    """Whether float32 gemms beyond the skinny rows go to the compiled sgemm at this thread
+    count and kernel path (else `blas_linear`): measured once per machine, then stored."""
+    kernel = linear_kernel()
+    return calibrate.sgemm_choice(threads, kernel.get_isa(), lambda: calibrate.measure_gemm(
+        kernel.sgemm, blas_linear))
 
 
 @functools.cache
@@ -91,11 +116,15 @@ def recalibrate() -> dict[str, int]:
         return {}
     _threshold.cache_clear()
     onednn_sgemm.cache_clear()
+    kernel_sgemm.cache_clear()
     threads = torch.get_num_threads()
     out = {}
     if ONEDNN:
         out["float32_onednn"] = int(calibrate.measure_gemm(onednn_linear, F.linear))
         calibrate.save_gemm_choice(threads, bool(out["float32_onednn"]))
+    if kernel.get_isa() != "scalar":
+        out["float32_sgemm"] = int(calibrate.measure_gemm(kernel.sgemm, blas_linear))
+        calibrate.save_sgemm_choice(threads, kernel.get_isa(), bool(out["float32_sgemm"]))
     for dtype in (torch.float32, torch.bfloat16):
         rows = calibrate.measure(kernel, dtype, large_linear)
         calibrate.save_threshold(dtype, threads, kernel.get_isa(), rows)

@@ -21,6 +21,7 @@ void write_kv(torch::Tensor rows, torch::Tensor slots, int64_t offset, int64_t b
 void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
                        double scale);
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w);
+torch::Tensor sgemm(torch::Tensor x, torch::Tensor w);
 int64_t fma_lanes();
 std::string fma_isa();
 double fma_seconds(int64_t threads, int64_t iters);
@@ -68,6 +69,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, "causal prefill attention, flash style (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("skinny_linear", &skinny_linear, "x @ w^T for a few rows of x (CPU, float32 or bf16)");
+  m.def("sgemm", &sgemm, "x @ w^T for many rows of x (CPU, float32, AVX2+FMA paths)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("isa_paths", &isa_paths, "instruction-set paths this build has, best first");
   m.def("get_isa", &get_isa, "the path the kernels run now");
   m.def("set_isa", &set_isa, "run the kernels on this path (one of isa_paths())");

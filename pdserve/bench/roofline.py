@@ -32,6 +32,9 @@ Engine (the real EngineCore in this process, torch.set_num_threads(t), prefix ca
   shapes; sgemm GFLOP/s = their FLOPs / their summed times, and prefill_fma_bound = that / the
   FMA peak: the fraction a prefill would reach if every FLOP (attention included) ran at the
   sgemm's rate and nothing else (norms, rope, activations, KV writes) took any time.
+  `gemm_gflops` times each float32 gemm large_linear can choose on its own (the compiled
+  sgemm, oneDNN, MKL) and best_gemm_fma_bound is the best of them over the FMA peak; the
+  breakdown's other_share is the prefill's time outside matmuls and attention.
 - bf16: the same prefill and decode with --dtype bfloat16 on every CPU (without AVX512-BF16
   the kernels widen bf16 to float32 by a shift: half the bytes, the same FMAs);
   bf16_prefill_speedup = fp32 prefill time / bf16 prefill time at the thread
@@ -173,18 +176,38 @@ def _engine_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> di
                 decode = min(decode, sorted(steps)[len(steps) // 2])  # a run's median step
             shapes = prefill_linear_shapes(args.model)
             sgemm = mkl = None
+            gemms: dict[str, float] = {}
             if dtype == "float32":
                 sgemm = sgemm_gflops(shapes, args.prefill_tokens, args.repeats)
                 mkl = sgemm_gflops(shapes, args.prefill_tokens, args.repeats,
                                    torch.nn.functional.linear)
+                gemms = _each_gemm(shapes, args.prefill_tokens, args.repeats)
             breakdowns = [_prefill_breakdown(client, vocab, args.prefill_tokens, f"b{t}-{i}")
                           for i in range(max(1, args.repeats // 2))]
             out[t] = {"prefill_s": prefill, "decode_step_s": decode, "sgemm_gflops": sgemm,
-                      "mkl_sgemm_gflops": mkl,
+                      "mkl_sgemm_gflops": mkl, "gemm_gflops": gemms,
                       **min(breakdowns, key=lambda b: b["breakdown_prefill_s"])}
     finally:
         client.shutdown()
     return out
+
+
+def _each_gemm(shapes: list[tuple[int, int]], tokens: int, repeats: int) -> dict[str, float]:
+    """sgemm_gflops of every float32 gemm large_linear can choose (the compiled sgemm where the
+    kernel path has it, oneDNN where torch has it, MKL), each on its own: the best of them is
+    the best any gemm here reaches on the model's shapes."""
+    import torch
+
+    from engine.kernels import linear_kernel
+    from engine.kernels.linear import ONEDNN, onednn_linear
+
+    out = {"mkl": torch.nn.functional.linear}
+    if ONEDNN:
+        out["onednn"] = onednn_linear
+    kernel = linear_kernel()
+    if kernel is not None and kernel.get_isa() != "scalar":
+        out["kernel"] = kernel.sgemm
+    return {name: round(sgemm_gflops(shapes, tokens, repeats, fn), 2) for name, fn in out.items()}
 
 
 def _prefill_breakdown(client: Any, vocab: int, tokens: int, rid: str) -> dict[str, float]:
@@ -231,6 +254,9 @@ def _engine_table(args: argparse.Namespace, dtype: str, runs: dict[int, dict],
             table[t]["mkl_sgemm_gflops"] = round(r["mkl_sgemm_gflops"], 2)
             table[t]["prefill_fma_bound"] = round(r["sgemm_gflops"] / lim["fma_gflops"], 3)
             table[t]["mkl_fma_bound"] = round(r["mkl_sgemm_gflops"] / lim["fma_gflops"], 3)
+            table[t]["gemm_gflops"] = r["gemm_gflops"]  # each gemm on its own
+            table[t]["best_gemm_fma_bound"] = round(
+                max(r["gemm_gflops"].values()) / lim["fma_gflops"], 3)
         if lim["bf16_dot_gflops"]:
             table[t]["prefill_bf16_dot_fraction"] = round(gflops / lim["bf16_dot_gflops"], 3)
         # Where one (separately timed) prefill spent its time.
@@ -241,6 +267,9 @@ def _engine_table(args: argparse.Namespace, dtype: str, runs: dict[int, dict],
             "matmul_gflops": round(matmul_flop / r["breakdown_matmul_s"] / 1e9, 2),
             "attention_share": round(r["breakdown_attention_s"] / b, 3),
             "attention_gflops": round(attn_flop / r["breakdown_attention_s"] / 1e9, 2),
+            # the rest: norms, rope, activations, KV writes, sampling, Python and dispatch
+            "other_share": round(1 - (r["breakdown_matmul_s"] + r["breakdown_attention_s"]) / b,
+                                 3),
         }
     return table
 

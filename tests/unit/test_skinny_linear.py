@@ -147,6 +147,7 @@ def test_large_linear_follows_the_measured_choice(monkeypatch, onednn_wins):
 
     monkeypatch.setattr(linear_mod, "onednn_linear", spy)
     monkeypatch.setattr(linear_mod, "onednn_sgemm", lambda threads: onednn_wins)
+    monkeypatch.setattr(linear_mod, "kernel_sgemm", lambda threads: False)  # test_sgemm.py's
     gen = torch.Generator().manual_seed(5)
     x, w = torch.randn(300, 64, generator=gen), torch.randn(32, 64, generator=gen)
     torch.testing.assert_close(linear_mod.large_linear(x, w), F.linear(x, w))
