@@ -29,6 +29,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from engine import kernels
 from engine.kernels import calibrate, compiled, linear_kernel
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -54,8 +55,8 @@ def large_linear(x: torch.Tensor, weight: torch.Tensor,
     (and with PDSERVE_LINEAR=torch) F.linear."""
     if x.dtype == torch.float32 and os.environ.get("PDSERVE_LINEAR") != "torch":
         threads = torch.get_num_threads()
-        kernel = linear_kernel()
-        if kernel is not None and kernel.get_isa() != "scalar" and kernel_sgemm(threads):
+        kernel = sgemm_kernel()
+        if kernel is not None and kernel_sgemm(threads):
             y = kernel.sgemm(x, weight)
             return y if bias is None else y.add_(bias)
         if ONEDNN and weight.is_contiguous() and onednn_sgemm(threads):
@@ -84,11 +85,17 @@ def onednn_sgemm(threads: int) -> bool:
     return calibrate.gemm_choice(threads, lambda: calibrate.measure_gemm(onednn_linear, F.linear))
 
 
+def sgemm_kernel() -> ModuleType | None:
+    """The kernels' module where its path has `sgemm` (AVX2+FMA or wider), else None."""
+    kernel = kernels.linear_kernel()
+    return kernel if kernel is not None and kernel.get_isa() != "scalar" else None
+
+
 @functools.cache
 def kernel_sgemm(threads: int) -> bool:
     """Whether float32 gemms beyond the skinny rows go to the compiled sgemm at this thread
     count and kernel path (else `blas_linear`): measured once per machine, then stored."""
-    kernel = linear_kernel()
+    kernel = sgemm_kernel()
     return calibrate.sgemm_choice(threads, kernel.get_isa(), lambda: calibrate.measure_gemm(
         kernel.sgemm, blas_linear))
 
@@ -122,7 +129,7 @@ def recalibrate() -> dict[str, int]:
     if ONEDNN:
         out["float32_onednn"] = int(calibrate.measure_gemm(onednn_linear, F.linear))
         calibrate.save_gemm_choice(threads, bool(out["float32_onednn"]))
-    if kernel.get_isa() != "scalar":
+    if sgemm_kernel() is not None:
         out["float32_sgemm"] = int(calibrate.measure_gemm(kernel.sgemm, blas_linear))
         calibrate.save_sgemm_choice(threads, kernel.get_isa(), bool(out["float32_sgemm"]))
     for dtype in (torch.float32, torch.bfloat16):
