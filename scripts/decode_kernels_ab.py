@@ -1,0 +1,103 @@
+"""A/B of two builds of the compiled kernels in one process, interleaved: paged_decode at
+batch 1/8/32 x 1024 context (bench-llama's attention shapes, blocks in random order) and
+skinny_linear on bench-llama's weights, fp32 and bf16; best of 3 x 9 runs each, thread CPU
+time at 1 thread (a loaded machine's run-queue waits left out), wall time at more.
+
+usage: python scripts/decode_kernels_ab.py OLD_HASH NEW_HASH THREADS paged,skinny
+(two builds under ~/.cache/pdserve/kernels/pdserve_kernels_<hash>.so). Prints GB/s of each
+and NEW/OLD; skinny outputs must be equal, paged ones close (max difference printed).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = [(1024, 512), (512, 512), (2816, 512), (512, 1408)]  # one layer's, [out, in]
+
+
+def load(key: str):
+    name = f"pdserve_kernels_{key}"
+    path = Path.home() / ".cache" / "pdserve" / "kernels" / f"{name}.so"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def best(fn, clock, n: int = 9) -> float:
+    out = float("inf")
+    for _ in range(n):
+        start = clock()
+        fn()
+        out = min(out, clock() - start)
+    return out
+
+
+def ab(label: str, nbytes: float, fa, fb, clock, extra: str = "") -> None:
+    ta = tb = float("inf")
+    for _ in range(3):  # interleaved
+        ta, tb = min(ta, best(fa, clock)), min(tb, best(fb, clock))
+    print(f"{label}: old {nbytes / ta / 1e9:6.2f} GB/s  new {nbytes / tb / 1e9:6.2f} GB/s  "
+          f"new/old {ta / tb:.3f} {extra}", flush=True)
+
+
+def skinny(a, b, dt, clock) -> None:
+    ws = [torch.randn(o, i).to(dt) for _ in range(8) for o, i in SHAPES]
+    ws.append(torch.randn(8192, 512).to(dt))
+    nbytes = sum(w.numel() * w.element_size() for w in ws)
+    for m in (1, 2, 3, 8):
+        xs = {i: torch.randn(m, i).to(dt) for i in (512, 1408)}
+        for w in ws:
+            x = xs[w.shape[1]]
+            assert torch.equal(a.skinny_linear(x, w), b.skinny_linear(x, w))
+
+        def run(k, xs=xs):
+            return lambda: [k.skinny_linear(xs[w.shape[1]], w) for w in ws]
+
+        ab(f"skinny {str(dt)[6:]:8s} M={m:2d}", nbytes, run(a), run(b), clock)
+
+
+def paged(a, b, dt, clock) -> None:
+    layers, bs, kv, dim, heads, ctx = 8, 16, 4, 64, 8, 1024
+    for batch in (1, 8, 32):
+        nblk = ctx // bs
+        cache = torch.randn(batch * nblk + 1, layers, 2, bs, kv, dim).to(dt)
+        view = cache.view(-1, bs, kv, dim)
+        table = (torch.randperm(batch * nblk).view(batch, nblk) * (2 * layers)).contiguous()
+        rows, lens = torch.arange(batch), torch.full((batch,), ctx)
+        q = torch.randn(batch, heads, dim)
+        oa, ob = torch.empty(batch, heads, dim), torch.empty(batch, heads, dim)
+
+        def run(k, out, view=view, table=table, rows=rows, lens=lens, q=q):
+            return lambda: [k.paged_decode(out, q, view, table, rows, lens, layer, 0.125)
+                            for layer in range(layers)]
+
+        run(a, oa)()
+        run(b, ob)()
+        nbytes = batch * ctx * layers * 2 * kv * dim * cache.element_size()
+        ab(f"paged  {str(dt)[6:]:8s} B={batch:2d}", nbytes, run(a, oa), run(b, ob), clock,
+           f"maxdiff {(oa - ob).abs().max().item():.2e}")
+
+
+def main() -> None:
+    a, b = load(sys.argv[1]), load(sys.argv[2])
+    torch.set_num_threads(int(sys.argv[3]))
+    what = sys.argv[4].split(",")
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    buf = torch.ones(256 << 18)
+    t = best(lambda: a.read_seconds(buf, torch.get_num_threads()), clock, 5)
+    print(f"stream read {buf.numel() * 4 / t / 1e9:.2f} GB/s", flush=True)
+    for dt in (torch.float32, torch.bfloat16):
+        if "skinny" in what:
+            skinny(a, b, dt, clock)
+        if "paged" in what:
+            paged(a, b, dt, clock)
+
+
+if __name__ == "__main__":
+    main()
