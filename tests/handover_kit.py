@@ -62,9 +62,13 @@ def check_streams_exact(dep: Deployment) -> None:
                            (CHAT, chat_body(810 + i, logprobs=True, top_logprobs=2,
                                             **sampling))):
             colocated = raw_stream(dep.d.url, path, body)
-            early = handovers(dep, "early")
+            # P's token goes first unless D's first chunk (seeded with it: no forward) reaches
+            # the proxy before P's head, a race a loaded host can lose: then D's stream is the
+            # answer, equal all the same (test_push_client_has_token_1_while_d_is_stopped
+            # proves P's token goes first without D)
+            before = handovers(dep, "early") + handovers(dep, "decode")
             via = raw_stream(dep.proxy.url, path, body)
-            assert handovers(dep, "early") == early + 1, (path, sampling)
+            assert handovers(dep, "early") + handovers(dep, "decode") == before + 1, path
             assert len({c["id"] for c in via}) == 1 and len({c["created"] for c in via}) == 1
             roles = [c for c in via if c["choices"] and "role" in c["choices"][0].get("delta",
                                                                                       {})]
@@ -103,9 +107,9 @@ def check_stream_stop_on_first_token(dep: Deployment) -> None:
              (COMPLETIONS, completion_body(820, temperature=0.0, stop=[first_text[:1] or "x"]))]
     for path, body in cases:
         colocated = raw_stream(dep.d.url, path, body)
-        alone = handovers(dep, "p_alone")
+        alone = handovers(dep, "p_alone") + handovers(dep, "decode")  # the race above
         via = raw_stream(dep.proxy.url, path, body)
-        assert handovers(dep, "p_alone") == alone + 1, body
+        assert handovers(dep, "p_alone") + handovers(dep, "decode") == alone + 1, body
         assert [_plain(c) for c in via] == [_plain(c) for c in colocated], (via, colocated)
     body = completion_body(822, temperature=0.0, max_tokens=1, logprobs=1)
     colocated = post(dep.d.url, COMPLETIONS, body)
