@@ -26,6 +26,7 @@ in `inbox` and reads `outbox` with `collect()`; nothing else is shared.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -111,6 +112,7 @@ class TransferThread:
         self._fast_until = 0.0  # poll fast until then (a poke arrived)
         self._stop = False
         self.on_publish: Callable[[], None] | None = None  # wakes the engine (set_wakeup)
+        self.nice = 0  # scheduling niceness of this thread (the mode's worker sets it)
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
 
     # --- the mode's policy --------------------------------------------------------
@@ -185,6 +187,11 @@ class TransferThread:
         self._publish()
 
     def _run(self) -> None:
+        if self.nice > 0:  # this thread only (Linux: a thread is a task of its own)
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+            except OSError as exc:
+                logger.warning("%s: nice %d not applied (%s)", self.name, self.nice, exc)
         while not self._stop:
             woken = self.wake.wait(self._timeout())
             self.wake.clear()

@@ -7,6 +7,7 @@ Assembly only: the scheduler half is `PushScheduler`; the worker half is the sha
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 
@@ -42,6 +43,30 @@ def unknown_transfer_timeout(config: EngineConfig) -> float:
     return float(value)
 
 
+# P's transfer thread runs its WRITEs' copies (UCX's single-copy path copies in the posting
+# thread). At equal priority on P's cores that copy competes with P's API server sending the
+# token the same step produced: a loaded P gave that token 6-50 ms late at 1024 tokens on one
+# pinned core. Niced, the copy yields to it and still gets every idle cycle.
+WRITER_NICE_ENV = "PDSERVE_KV_WRITER_NICE"
+DEFAULT_WRITER_NICE = 10
+
+
+def writer_nice(kv_role: str) -> int:
+    """The niceness of a push transfer thread: DEFAULT_WRITER_NICE on a prefill-only engine
+    (kv_producer; D's thread wakes its engine when KV lands and stays at 0), else 0;
+    $PDSERVE_KV_WRITER_NICE (0-19) overrides it on either role."""
+    raw = os.environ.get(WRITER_NICE_ENV)
+    if raw is not None:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = -1
+        if not 0 <= value <= 19:
+            raise ValueError(f"{WRITER_NICE_ENV} must be an integer 0-19, not {raw!r}")
+        return value
+    return DEFAULT_WRITER_NICE if kv_role == "kv_producer" else 0
+
+
 class PushWorker(NixlWorker):
     mode = "push"
     prune_idle_peers = True
@@ -51,6 +76,7 @@ class PushWorker(NixlWorker):
                  endpoint: Endpoint | None = None, tp_rank: int = 0) -> None:
         super().__init__(config, spec, endpoint, tp_rank)
         self.unknown_timeout = unknown_transfer_timeout(config)
+        self.writer_nice = writer_nice(config.kv_transfer_config.kv_role)
 
     def make_thread(self, transport: NixlTransport, peers: Peers, wake: threading.Event,
                     clock: Callable[[], float]) -> PushThread:
@@ -71,7 +97,9 @@ class PushWorker(NixlWorker):
                                    "kv_push_cancel_acks_received_total": 0},
                             tp_rank=self.tp_rank, tp_size=self.tp_size)
         sender.poker = Poker()
-        return PushThread(transport, peers, sender, receiver, wake, clock)
+        thread = PushThread(transport, peers, sender, receiver, wake, clock)
+        thread.nice = self.writer_nice
+        return thread
 
 
 def make_worker(config: EngineConfig, spec: KVCacheSpec, tp_rank: int) -> PushWorker:

@@ -120,6 +120,30 @@ def _d_params(pd) -> dict:
             "tp_size": info.get("tp_size", 1)}
 
 
+def _niced_tasks(pid: int) -> list[int]:
+    """The niceness of every thread of a server's process tree that is not at 0."""
+    out = []
+    api = psutil.Process(pid)
+    for proc in [api, *api.children(recursive=True)]:
+        for thread in proc.threads():
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{proc.pid}/task/{thread.id}/stat") as f:
+                    nice = int(f.read().rsplit(")", 1)[1].split()[16])  # field 19
+                if nice:
+                    out.append(nice)
+    return out
+
+
+def test_p_writer_thread_is_niced_and_nothing_else(pd):
+    """P's push transfer thread (its WRITE copies run in it) runs at nice 10, so on P's cores
+    it yields to P's API server sending the token the same step produced (threads it starts,
+    UCX's or a handshake's, inherit it); nothing of D is niced."""
+    post(pd.proxy.url, "/v1/completions", completion_body(990, temperature=0.0, max_tokens=2))
+    niced = _niced_tasks(pd.p.pid)
+    assert niced and set(niced) == {10}, niced
+    assert _niced_tasks(pd.d.pid) == []
+
+
 def test_d_waiting_for_kv_does_not_poll(pd):
     """Four D legs registered with a live P that never prefills them (their transfer ids
     reach no P leg): D waits for KV on P's poke and the connector's wake-up, not on a poll.
