@@ -90,9 +90,12 @@ def _load(dep, n: int = 3) -> dict:
             "POST", dep.proxy.url + "/v1/completions", json=body, timeout=60) as stream:
         shorts = [pool.submit(short, i) for i in range(n)]
         lines = stream.iter_lines()
-        for line in lines:  # the first token: D is decoding the stream now
-            if line.startswith("data: ") and json.loads(line[6:])["choices"]:
-                break
+        tokens = 0
+        for line in lines:  # token 2: D is decoding the stream now (token 1 may be P's,
+            if line.startswith("data: ") and json.loads(line[6:])["choices"]:  # sent while
+                tokens += 1  # D still waits for the KV)
+                if tokens == 2:
+                    break
         live = {name: scrape(s.url) for name, s in
                 (("P", dep.p), ("D", dep.d), ("proxy", dep.proxy))}
         for _ in lines:
