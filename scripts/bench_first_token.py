@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 
@@ -30,6 +28,7 @@ import httpx
 import psutil
 
 from engine.net import free_port
+from pdserve.bench.machine import cpu_info
 from pdserve.launcher import ServerProcess, launch_server
 
 MODES = ("colocated", "seeded", "recompute")
@@ -78,7 +77,7 @@ def _stream(url: str, body: dict) -> tuple[float, float | None]:
     return first - t0, None if second is None else second - first
 
 
-def _hop(url: str) -> dict[str, float]:
+def proxy_hop_ms(url: str) -> dict[str, float]:
     """The proxy's own share of the first bytes (pdserve:proxy_hop_seconds): mean ms per part."""
     sums: dict[str, float] = {}
     for ln in httpx.get(f"{url}/metrics").text.splitlines():
@@ -147,12 +146,10 @@ def main() -> None:
         seeded = sum(float(ln.rsplit(" ", 1)[1]) for ln in
                      httpx.get(f"{d.url}/metrics").text.splitlines()
                      if ln.startswith("pdserve:kv_first_token_seeded_total"))
-        cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model_name = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines()
-                           if ln.startswith("Model name")), platform.processor())
-        out = {"model": a.model, "pinned": a.pin, "rounds": a.rounds, "cpu": model_name,
+        out = {"model": a.model, "pinned": a.pin, "rounds": a.rounds,
+               "cpu": cpu_info()["model_name"],
                "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg(),
-               "d_seeded_total": seeded, "proxy_hop": _hop(proxy.url),
+               "d_seeded_total": seeded, "proxy_hop": proxy_hop_ms(proxy.url),
                "results": results}
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
         with open(a.out, "w") as f:

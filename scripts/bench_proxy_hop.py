@@ -24,17 +24,17 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 
 import httpx
 import psutil
+from bench_first_token import proxy_hop_ms
 
 from engine.net import free_port
+from pdserve.bench.machine import cpu_info
 from pdserve.launcher import ServerProcess
 
 MODES = ("direct", "bare", "proxy", "baseline")
@@ -47,6 +47,21 @@ def _chunk(text: str, finish: str | None) -> bytes:
         "id": "cmpl-x", "object": "text_completion", "created": 1, "model": "m",
         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
     }, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _start_app(port: int, health, completions, info=None) -> None:
+    """An aiohttp app on 127.0.0.1:port: /health, POST /v1/completions, and
+    /kv_transfer/info when given."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    if info is not None:
+        app.router.add_get("/kv_transfer/info", info)
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
 
 
 def _serve_fakes(p_port: int, d_port: int, p_delay: float, d_delay: float) -> None:
@@ -87,13 +102,7 @@ def _serve_fakes(p_port: int, d_port: int, p_delay: float, d_delay: float) -> No
 
     async def main() -> None:
         for port, gen in ((p_port, prefill), (d_port, decode)):
-            app = web.Application()
-            app.router.add_get("/health", health)
-            app.router.add_get("/kv_transfer/info", info)
-            app.router.add_post("/v1/completions", gen)
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
+            await _start_app(port, health, gen, info)
         await asyncio.Event().wait()
 
     uvloop.run(main())
@@ -121,12 +130,7 @@ def _serve_bare(port: int, p_url: str) -> None:
                     await resp.write(raw)
             return resp
 
-        app = web.Application()
-        app.router.add_get("/health", health)
-        app.router.add_post("/v1/completions", relay)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await _start_app(port, health, relay)
         await asyncio.Event().wait()
 
     uvloop.run(main())
@@ -162,16 +166,6 @@ def _ttft(client: httpx.Client, url: str, body: dict) -> float:
                 first = time.perf_counter() - t0
     assert first is not None, f"no token from {url}"
     return first
-
-
-def _hop(url: str) -> dict[str, float]:
-    sums: dict[str, float] = {}
-    for ln in httpx.get(f"{url}/metrics").text.splitlines():
-        if ln.startswith(("pdserve:proxy_hop_seconds_sum", "pdserve:proxy_hop_seconds_count")):
-            key = ln.split("{", 1)[0].rsplit("_", 1)[1] + ln.split('part="', 1)[1].split('"')[0]
-            sums[key] = float(ln.rsplit(" ", 1)[1])
-    return {part: round(sums[f"sum{part}"] / sums[f"count{part}"] * 1e3, 3)
-            for part in ("dispatch", "relay") if sums.get(f"count{part}")}
 
 
 def _cpu(pid: int) -> float:
@@ -258,13 +252,10 @@ def main() -> None:
                     "cpu_ms_per_request": cpu,
                 }
                 print(n, json.dumps(results[str(n)]), flush=True)
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model_name = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines()
-                           if ln.startswith("Model name")), platform.processor())
-        out = {"rounds": a.rounds, "cpu": model_name, "loadavg_at_start": load_start,
-               "loadavg_at_end": os.getloadavg(), "proxy_hop_ms": _hop(proxy.url),
+        out = {"rounds": a.rounds, "cpu": cpu_info()["model_name"], "loadavg_at_start": load_start,
+               "loadavg_at_end": os.getloadavg(), "proxy_hop_ms": proxy_hop_ms(proxy.url),
                "baseline_tree": a.baseline_tree,
-               "baseline_hop_ms": _hop(urls["baseline"]) if a.baseline_tree else None,
+               "baseline_hop_ms": proxy_hop_ms(urls["baseline"]) if a.baseline_tree else None,
                "results": results}
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
         with open(a.out, "w") as f:
