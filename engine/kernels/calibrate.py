@@ -1,37 +1,49 @@
-"""Measured dispatch thresholds of the skinny_linear kernel: up to how many rows it beats the gemm
-`linear` uses beyond it (engine/kernels/linear.py `large_linear`: oneDNN for float32, F.linear
-for bf16).
+"""Measured dispatch choices of engine/kernels/linear.py, and their store.
 
-The crossover depends on the CPU (vector width, bf16 dot instructions, cache sizes), on the
-kernel's path (PDSERVE_ISA), on the dtype and on the thread count, so it is measured, not
-fixed: at the first use for a (dtype, threads, path) on this machine, one weight of
-CALIBRATION_SHAPE (larger than a core's L2, as the model's weights are) is multiplied by
-1, 2, 4, ... 128 random rows, kernel and that gemm alternating, best of REPEATS each; the
-threshold is the largest row count at which the kernel is not slower, 0 if it never wins.
-The result (well under a second to measure) is stored beside the kernels' shared object
-(`<name>.thresholds.json`, keyed "dtype:threads:path"), so each machine measures once;
-`python -m engine.kernels --recalibrate` measures again (e.g. on a quiet machine).
+- the skinny_linear threshold: up to how many rows the kernel beats the gemm `linear` uses
+  beyond it (`large_linear`), per (dtype, threads, kernel path): one weight of
+  CALIBRATION_SHAPE (larger than a core's L2, as the model's weights are) times 1, 2, 4, ...
+  128 random rows; the largest row count at which the kernel is not slower, 0 if it never is;
+- the float32 gemm: oneDNN's matmul against F.linear (MKL) on GEMM_ROWS rows, per thread
+  count; and the compiled sgemm (sgemm.cpp) against that choice, per thread count and path.
 
-Which float32 gemm `large_linear` runs is measured the same way, once per thread count:
-oneDNN's matmul against F.linear (MKL's sgemm) on GEMM_ROWS rows of the same weight, best of
-REPEATS each; oneDNN where it is not slower (key "float32:threads:onednn"). And the compiled
-sgemm (engine/kernels/sgemm.cpp) against that choice, once per thread count and kernel path
-(key "float32:threads:path:sgemm"): the compiled one where it is not slower.
+A measurement is trustworthy only on a machine that leaves it alone (a calibration taken at
+load 15 once made offline fp32 3x slower until measured again). So candidates are timed
+interleaved (each round times every candidate once, the order alternating) over ROUNDS
+rounds and each keeps its minimum; and the measurement is *noisy*, and never stored, when
+- a candidate's two best samples differ by more than AGREE (its minimum does not repeat), or
+- this process's threads waited for a CPU (the scheduler's run delay) more than MAX_WAIT of
+  the measurement's time per thread, or
+- other processes ran on this process's CPUs more than the CPUs its threads leave free plus
+  MAX_OTHERS (the machine's load, /proc/stat), or
+- another process is measuring (the store's lock is held).
+A noisy measurement stops at its first noisy step. The process then runs a safe default
+(DEFAULT_ROWS; the BLAS gemm F.linear) or the stored value it was checking, and measures
+again after RETRY_S (doubling up to RETRY_MAX_S), and every new process tries again at its
+first use. A stored value is measured again (quietly) at its first use after RECHECK_S, and
+at once where the store holds it without the time it was measured (an entry of the old
+store, measured without these checks): a stored choice seen wrong then is replaced.
 
-This module measures and stores; it is handed the gemms it times (the dispatch in linear.py
-passes its own), so it imports nothing above the kernels' build.
+The store is one JSON file beside the kernels' shared object (`<name>.thresholds.json`),
+key -> {"v": value, "at": unix time measured}; `python -m engine.kernels --recalibrate`
+measures everything again (stored where quiet). This module is handed the gemms it times
+(the dispatch in linear.py passes its own), so it imports nothing above the kernels' build.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import glob
 import json
 import logging
 import os
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -42,9 +54,25 @@ logger = logging.getLogger(__name__)
 CALIBRATION_SHAPE = (4096, 1024)  # [out, in]: 16 MiB in float32, 8 MiB in bf16
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 GEMM_ROWS = 256  # a prefill chunk's rows, well past every skinny threshold
-REPEATS = 5
+ROUNDS = 7
+AGREE = 0.15
+MAX_WAIT = 0.05
+MAX_OTHERS = 0.5
+PROBE_S = 0.1
+DEFAULT_ROWS = 16  # decode batches on the kernel: 5x the gemm at 8 rows, no worse to 128
+RETRY_S = 30.0
+RETRY_MAX_S = 600.0
+RECHECK_S = 86400.0
 
 Gemm = Callable[[torch.Tensor, torch.Tensor], Any]
+
+
+class Measured(NamedTuple):
+    value: int | None  # None where the measurement stopped on noise
+    noise: str | None  # why it is not trustworthy; None: quiet
+
+
+# --- the store ------------------------------------------------------------------------
 
 
 def _store() -> Path:
@@ -52,120 +80,267 @@ def _store() -> Path:
     return so.with_name(f"{name}.thresholds.json")
 
 
-def _load() -> dict[str, int]:
+def _load() -> dict[str, Any]:
     try:
-        return json.loads(_store().read_text())
+        table = json.loads(_store().read_text())
     except (OSError, ValueError):
         return {}
+    return table if isinstance(table, dict) else {}
 
 
-def save(key: str, rows: int) -> None:
-    """Store `rows` under `key`, replacing what the store held for it."""
-    path = _store()
-    table = {**_load(), key: rows}
+def _entry(raw: Any) -> tuple[int | None, float | None]:
+    """(value, unix time measured) of a stored entry; the time is None for an old int entry,
+    the value None for anything unreadable."""
+    if isinstance(raw, dict) and isinstance(raw.get("v"), int):
+        at = raw.get("at")
+        return raw["v"], float(at) if isinstance(at, (int, float)) else None
+    if isinstance(raw, int):
+        return raw, None
+    return None, None
+
+
+_held = threading.local()  # this thread holds the store's lock (nested measurements)
+
+
+@contextlib.contextmanager
+def _lock(block: bool) -> Iterator[bool]:
+    """The store's lock (flock beside it, dropped when its holder exits, however): yields
+    whether it is held (always where `block`); a thread that holds it already holds it."""
+    if getattr(_held, "yes", False):
+        yield True
+        return
+    path = _store().with_suffix(".lock")
     path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        _held.yes = True
+        try:
+            yield True
+        finally:
+            _held.yes = False
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _write(key: str, value: int) -> None:
+    path = _store()
+    table = {**_load(), key: {"v": int(value), "at": round(time.time())}}
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".thresholds-")
     with os.fdopen(fd, "w") as f:
         json.dump(table, f, indent=1, sort_keys=True)
     os.replace(tmp, path)
 
 
-def _seconds(fn, x: torch.Tensor, w: torch.Tensor) -> float:
-    start = time.perf_counter()
-    fn(x, w)
-    return time.perf_counter() - start
+def save(key: str, value: int) -> None:
+    """Store `value` under `key` (measured now), replacing what the store held for it."""
+    with _lock(block=True):
+        _write(key, value)
 
 
-def measure(kernel, dtype: torch.dtype, gemm: Gemm) -> int:
+# --- noise -------------------------------------------------------------------------------
+
+
+def _run_delay_s() -> float:
+    """Seconds this process's threads have waited on a run queue (schedstat), 0 where the
+    kernel does not say."""
+    total = 0
+    for path in glob.glob(f"/proc/{os.getpid()}/task/*/schedstat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(path) as f:
+                total += int(f.read().split()[1])
+    return total / 1e9
+
+
+def _busy_s(cpus: frozenset[int]) -> float:
+    """CPU seconds spent on `cpus` by anyone since boot (/proc/stat), 0 where unknown."""
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    ticks = 0
+    with contextlib.suppress(OSError):
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *fields = line.split()
+                if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                    u, n, s, _idle, _io, irq, soft, steal = (int(v) for v in fields[:8])
+                    ticks += u + n + s + irq + soft + steal
+    return ticks / hz
+
+
+class Watch:
+    """The noise around one measurement, checked between its steps: this process's wait for
+    a CPU and the others' CPU time on its CPUs since the watch started."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = max(1, threads)
+        self.cpus = frozenset(os.sched_getaffinity(0))
+        self.start = time.perf_counter()
+        self.wait0, self.busy0, self.own0 = _run_delay_s(), _busy_s(self.cpus), time.process_time()
+
+    def noise(self) -> str | None:
+        wall = time.perf_counter() - self.start
+        if wall <= 0:
+            return None
+        waited = (_run_delay_s() - self.wait0) / (wall * self.threads)
+        if waited > MAX_WAIT:
+            return f"threads waited for a CPU {waited:.0%} of the time"
+        return self._others(wall)
+
+    def _others(self, wall: float) -> str | None:
+        others = (_busy_s(self.cpus) - self.busy0 - (time.process_time() - self.own0)) / wall
+        free = max(0, len(self.cpus) - self.threads)
+        if wall >= PROBE_S and others > free + MAX_OTHERS:
+            return f"other processes used {others:.1f} of {len(self.cpus)} CPUs"
+        return None
+
+    @classmethod
+    def probe(cls, threads: int) -> str | None:
+        """The others' load over PROBE_S idle seconds: cheap, before a measurement."""
+        watch = cls(threads)
+        time.sleep(PROBE_S)
+        return watch._others(time.perf_counter() - watch.start)
+
+
+def race(fns: Sequence[Callable[[], Any]], watch: Watch | None = None,
+         rounds: int = ROUNDS) -> tuple[list[float], str | None]:
+    """Each candidate's best time over `rounds` interleaved rounds (after one warm call each),
+    and why they are noisy (None: each one's two best samples agree within AGREE, and
+    `watch` saw no noise); stops at the first round `watch` finds noisy."""
+    for fn in fns:
+        fn()
+    samples: list[list[float]] = [[] for _ in fns]
+    for r in range(rounds):
+        for i in (range(len(fns)) if r % 2 == 0 else reversed(range(len(fns)))):
+            start = time.perf_counter()
+            fns[i]()
+            samples[i].append(time.perf_counter() - start)
+        if watch is not None and (noise := watch.noise()):
+            return [min(s) for s in samples], noise
+    for s in samples:
+        s.sort()
+    worst = max(s[1] / s[0] for s in samples)
+    noise = f"best two samples {worst - 1:.0%} apart" if worst > 1 + AGREE else None
+    return [s[0] for s in samples], noise
+
+
+# --- the measurements --------------------------------------------------------------------
+
+
+def measure(kernel, dtype: torch.dtype, gemm: Gemm, stop_on_noise: bool = True) -> Measured:
     """Largest row count in ROWS where kernel.skinny_linear is not slower than `gemm`."""
+    if (noise := Watch.probe(torch.get_num_threads())) and stop_on_noise:
+        return Measured(None, noise)
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(*CALIBRATION_SHAPE, generator=gen).to(dtype)
-    best = 0
-    for m in ROWS:
-        x = torch.randn(m, w.shape[1], generator=gen).to(dtype)
-        kernel.skinny_linear(x, w), gemm(x, w)  # warm both
-        k = t = float("inf")
-        for _ in range(REPEATS):
-            k = min(k, _seconds(kernel.skinny_linear, x, w))
-            t = min(t, _seconds(gemm, x, w))
+    xs = [torch.randn(m, w.shape[1], generator=gen).to(dtype) for m in ROWS]
+    gemm(xs[-1], w)  # settles the gemm's own choices before the watch starts
+    watch, best = Watch(torch.get_num_threads()), 0
+    for m, x in zip(ROWS, xs, strict=True):
+        (k, t), noise2 = race([lambda x=x: kernel.skinny_linear(x, w), lambda x=x: gemm(x, w)],
+                              watch if stop_on_noise else None)
+        noise = noise or noise2 or watch.noise()
+        if noise and stop_on_noise:
+            return Measured(None, noise)
         if k <= t:
             best = m
-    return best
+    return Measured(best, noise)
 
 
-def measure_gemm(onednn: Gemm, mkl: Gemm) -> bool:
-    """Whether `onednn` is not slower than `mkl` on [GEMM_ROWS, in] x CALIBRATION_SHAPE^T."""
+def measure_gemm(first: Gemm, second: Gemm, stop_on_noise: bool = True) -> Measured:
+    """1 where `first` is not slower than `second` on [GEMM_ROWS, in] x CALIBRATION_SHAPE^T,
+    else 0."""
+    if (noise := Watch.probe(torch.get_num_threads())) and stop_on_noise:
+        return Measured(None, noise)
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(*CALIBRATION_SHAPE, generator=gen)
     x = torch.randn(GEMM_ROWS, w.shape[1], generator=gen)
-    onednn(x, w), mkl(x, w)  # warm both
-    a = b = float("inf")
-    for _ in range(REPEATS):
-        a = min(a, _seconds(onednn, x, w))
-        b = min(b, _seconds(mkl, x, w))
-    return a <= b
+    first(x, w), second(x, w)  # settles their own choices before the watch starts
+    watch = Watch(torch.get_num_threads())
+    (a, b), noise2 = race([lambda: first(x, w), lambda: second(x, w)],
+                          watch if stop_on_noise else None)
+    noise = noise or noise2 or watch.noise()
+    if noise and stop_on_noise:
+        return Measured(None, noise)
+    return Measured(int(a <= b), noise)
 
 
-def _key(dtype: torch.dtype, threads: int, isa: str) -> str:
+# --- one process's view of the store ----------------------------------------------------
+
+
+def measure_and_store(key: str, measure_now: Callable[[], Measured]) -> Measured:
+    """Measure under the store's lock and store the result where quiet (noise otherwise, or
+    "another process is measuring" where the lock is held)."""
+    with _lock(block=False) as held:
+        if not held:
+            return Measured(None, "another process is measuring")
+        got = measure_now()
+        if got.noise is None and got.value is not None:
+            _write(key, got.value)
+        return got
+
+
+class Choices:
+    """This process's values of one kind of stored choice, by the arguments `key_of` turns
+    into the store's key: the stored value where it is recent, else measured (and stored)
+    now; where that is noisy, the stored value or `default_of(*args)` for now, measured again
+    after RETRY_S (doubling). `__call__` is the dispatch's hot path: a dict hit once final."""
+
+    def __init__(self, what: str, key_of: Callable[..., str],
+                 measure_of: Callable[..., Measured], default_of: Callable[..., int]) -> None:
+        self.what = what
+        self.key_of, self.measure_of, self.default_of = key_of, measure_of, default_of
+        self.final: dict[tuple, int] = {}
+        self.pending: dict[tuple, tuple[int, float, float]] = {}  # value, retry at, backoff
+        self.noise: dict[tuple, str] = {}  # why the last measurement was not stored
+
+    def __call__(self, *args: Any) -> int:
+        value = self.final.get(args)
+        return value if value is not None else self._resolve(args)
+
+    def cache_clear(self) -> None:
+        self.final.clear()
+        self.pending.clear()
+        self.noise.clear()
+
+    def _resolve(self, args: tuple) -> int:
+        pending = self.pending.get(args)
+        if pending is not None and time.monotonic() < pending[1]:
+            return pending[0]
+        key = self.key_of(*args)
+        stored, at = _entry(_load().get(key))
+        if stored is not None and at is not None and time.time() - at < RECHECK_S:
+            return self._final(args, stored)
+        got = measure_and_store(key, lambda: self.measure_of(*args))
+        if got.noise is None and got.value is not None:
+            if stored is not None and got.value != stored:
+                logger.warning("%s %s: stored %d was wrong, measured %d (stored)", self.what,
+                               key, stored, got.value)
+            else:
+                logger.info("%s %s: %d (measured, stored)", self.what, key, got.value)
+            return self._final(args, got.value)
+        value = stored if stored is not None else int(self.default_of(*args))
+        backoff = min(RETRY_MAX_S, 2 * pending[2]) if pending is not None else RETRY_S
+        self.pending[args] = (value, time.monotonic() + backoff, backoff)
+        self.noise[args] = str(got.noise)
+        logger.info("%s %s: %s; %d for now (%s), measured again in %.0f s", self.what, key,
+                    got.noise, value, "stored" if stored is not None else "default", backoff)
+        return value
+
+    def _final(self, args: tuple, value: int) -> int:
+        self.pending.pop(args, None)
+        self.final[args] = value
+        return value
+
+
+def threshold_key(dtype: torch.dtype, threads: int, isa: str) -> str:
     # ":gemm2": measured against large_linear (keys without it were against F.linear)
     return f"{str(dtype).removeprefix('torch.')}:{threads}:{isa}:gemm2"
 
 
-def _gemm_key(threads: int) -> str:
+def gemm_key(threads: int) -> str:
     return f"float32:{threads}:onednn"
 
 
-def _stored(key: str, measure_now: Callable[[], int]) -> tuple[int, bool]:
-    """(the store's value for `key`, False), or (`measure_now()`, True) measured and stored."""
-    table = _load()
-    if key in table:
-        return int(table[key]), False
-    value = int(measure_now())
-    save(key, value)
-    return value, True
-
-
-def threshold(dtype: torch.dtype, threads: int, isa: str, measure_now: Callable[[], int]) -> int:
-    """The stored skinny_linear threshold for (dtype, threads, path), measured by
-    `measure_now()` and stored if this machine has none yet."""
-    key = _key(dtype, threads, isa)
-    rows, measured = _stored(key, measure_now)
-    if measured:
-        logger.info("skinny_linear threshold %s: %d rows (measured)", key, rows)
-    return rows
-
-
-def _sgemm_key(threads: int, isa: str) -> str:
+def sgemm_key(threads: int, isa: str) -> str:
     return f"float32:{threads}:{isa}:sgemm"
-
-
-def gemm_choice(threads: int, measure_now: Callable[[], bool]) -> bool:
-    """The stored float32 gemm choice (True: oneDNN) at this thread count, measured by
-    `measure_now()` and stored if this machine has none yet."""
-    wins, measured = _stored(_gemm_key(threads), measure_now)
-    if measured:
-        logger.info("float32 gemm at %d threads: %s (measured)", threads,
-                    "oneDNN" if wins else "F.linear")
-    return bool(wins)
-
-
-def save_threshold(dtype: torch.dtype, threads: int, isa: str, rows: int) -> None:
-    save(_key(dtype, threads, isa), rows)
-
-
-def save_gemm_choice(threads: int, onednn: bool) -> None:
-    save(_gemm_key(threads), int(onednn))
-
-
-def sgemm_choice(threads: int, isa: str, measure_now: Callable[[], bool]) -> bool:
-    """The stored choice of the compiled sgemm (True) over the BLAS gemm at this thread count
-    and kernel path, measured by `measure_now()` and stored if this machine has none yet."""
-    wins, measured = _stored(_sgemm_key(threads, isa), measure_now)
-    if measured:
-        logger.info("float32 gemm at %d threads, %s path: %s (measured)", threads, isa,
-                    "compiled sgemm" if wins else "BLAS")
-    return bool(wins)
-
-
-def save_sgemm_choice(threads: int, isa: str, kernel: bool) -> None:
-    save(_sgemm_key(threads, isa), int(kernel))

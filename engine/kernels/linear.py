@@ -22,8 +22,9 @@ the SwiGLU activation `silu_mul` (silu_mul.cpp) for float32 and bf16.
 
 from __future__ import annotations
 
-import functools
+import logging
 import os
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -31,6 +32,8 @@ import torch.nn.functional as F
 
 from engine import kernels
 from engine.kernels import calibrate, compiled, linear_kernel
+
+logger = logging.getLogger(__name__)
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -78,11 +81,15 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor,
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
 
 
-@functools.cache
+_onednn = calibrate.Choices(
+    "float32 gemm oneDNN (1) or F.linear (0)", calibrate.gemm_key,
+    lambda threads: calibrate.measure_gemm(onednn_linear, F.linear), lambda threads: 0)
+
+
 def onednn_sgemm(threads: int) -> bool:
     """Whether float32 gemms beyond the skinny rows go to oneDNN at this thread count (else
-    F.linear): measured once per machine, then read from the store."""
-    return calibrate.gemm_choice(threads, lambda: calibrate.measure_gemm(onednn_linear, F.linear))
+    F.linear): measured once per machine where quiet, then read from the store."""
+    return bool(_onednn(threads))
 
 
 def sgemm_kernel() -> ModuleType | None:
@@ -91,51 +98,61 @@ def sgemm_kernel() -> ModuleType | None:
     return kernel if kernel is not None and kernel.get_isa() != "scalar" else None
 
 
-@functools.cache
+_sgemm = calibrate.Choices(
+    "float32 gemm compiled sgemm (1) or BLAS (0)", calibrate.sgemm_key,
+    lambda threads, isa: calibrate.measure_gemm(sgemm_kernel().sgemm, blas_linear),
+    lambda threads, isa: 0)
+
+
 def kernel_sgemm(threads: int) -> bool:
     """Whether float32 gemms beyond the skinny rows go to the compiled sgemm at this thread
-    count and kernel path (else `blas_linear`): measured once per machine, then stored."""
-    kernel = sgemm_kernel()
-    return calibrate.sgemm_choice(threads, kernel.get_isa(), lambda: calibrate.measure_gemm(
-        kernel.sgemm, blas_linear))
+    count and kernel path (else `blas_linear`): measured once per machine where quiet, then
+    read from the store."""
+    return bool(_sgemm(threads, sgemm_kernel().get_isa()))
 
 
-@functools.cache
-def _threshold(dtype: torch.dtype, threads: int, isa: str) -> int:
-    return calibrate.threshold(dtype, threads, isa,
-                               lambda: calibrate.measure(linear_kernel(), dtype, large_linear))
+_thresholds = calibrate.Choices(
+    "skinny_linear rows", calibrate.threshold_key,
+    lambda dtype, threads, isa: calibrate.measure(linear_kernel(), dtype, large_linear),
+    lambda dtype, threads, isa: calibrate.DEFAULT_ROWS)
 
 
 def skinny_rows(dtype: torch.dtype) -> int:
     """Up to how many rows `linear` should use the kernel for this dtype, thread count and path
-    (0: never). Measured once per machine, then read from the store."""
+    (0: never). Measured once per machine where quiet, then read from the store; a safe
+    default meanwhile (engine/kernels/calibrate.py)."""
     kernel = linear_kernel()
     if kernel is None or dtype not in (torch.float32, torch.bfloat16):
         return 0
-    return _threshold(dtype, torch.get_num_threads(), kernel.get_isa())
+    return _thresholds(dtype, torch.get_num_threads(), kernel.get_isa())
 
 
-def recalibrate() -> dict[str, int]:
-    """Measure both dtypes again at this process's thread count and path, replacing what the
-    store holds for them."""
+def recalibrate() -> dict[str, int | None]:
+    """Measure every choice again at this process's thread count and path, storing those
+    measured quietly (None: noisy, not stored; the store keeps what it held)."""
     kernel = linear_kernel()
     if kernel is None:
         return {}
-    _threshold.cache_clear()
-    onednn_sgemm.cache_clear()
-    kernel_sgemm.cache_clear()
-    threads = torch.get_num_threads()
-    out = {}
+    for choices in (_onednn, _sgemm, _thresholds):
+        choices.cache_clear()
+    threads, isa = torch.get_num_threads(), kernel.get_isa()
+    runs: dict[str, tuple[str, Callable[[], calibrate.Measured]]] = {}
     if ONEDNN:
-        out["float32_onednn"] = int(calibrate.measure_gemm(onednn_linear, F.linear))
-        calibrate.save_gemm_choice(threads, bool(out["float32_onednn"]))
+        runs["float32_onednn"] = (calibrate.gemm_key(threads), lambda: calibrate.measure_gemm(
+            onednn_linear, F.linear))
     if sgemm_kernel() is not None:
-        out["float32_sgemm"] = int(calibrate.measure_gemm(kernel.sgemm, blas_linear))
-        calibrate.save_sgemm_choice(threads, kernel.get_isa(), bool(out["float32_sgemm"]))
+        runs["float32_sgemm"] = (calibrate.sgemm_key(threads, isa),
+                                 lambda: calibrate.measure_gemm(kernel.sgemm, blas_linear))
     for dtype in (torch.float32, torch.bfloat16):
-        rows = calibrate.measure(kernel, dtype, large_linear)
-        calibrate.save_threshold(dtype, threads, kernel.get_isa(), rows)
-        out[str(dtype).removeprefix("torch.")] = rows
+        runs[str(dtype).removeprefix("torch.")] = (
+            calibrate.threshold_key(dtype, threads, isa),
+            lambda dtype=dtype: calibrate.measure(kernel, dtype, large_linear))
+    out: dict[str, int | None] = {}
+    for name, (key, run) in runs.items():
+        got = calibrate.measure_and_store(key, run)
+        out[name] = got.value if got.noise is None else None
+        if got.noise is not None:
+            logger.warning("%s: %s, not stored", key, got.noise)
     return out
 
 

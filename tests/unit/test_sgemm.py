@@ -76,11 +76,21 @@ def test_large_linear_follows_the_measured_sgemm_choice(monkeypatch, kernel_wins
     assert torch.equal(got, want)
 
 
-def test_sgemm_choice_is_measured_once_and_stored():
+@pytest.mark.parametrize("stored", [0, 1])
+def test_sgemm_choice_is_read_from_the_store(tmp_path, monkeypatch, stored):
+    """Measured once per machine (tests/unit/test_calibration.py), then read: no measuring."""
     mod = linear_mod.linear_kernel()
     _avx2(mod)
     import json
+    import time
 
-    linear_mod.kernel_sgemm(torch.get_num_threads())
-    table = json.loads(calibrate._store().read_text())
-    assert f"float32:{torch.get_num_threads()}:{mod.get_isa()}:sgemm" in table
+    path = tmp_path / "k.thresholds.json"
+    monkeypatch.setattr(calibrate, "_store", lambda: path)
+    threads = torch.get_num_threads()
+    path.write_text(json.dumps({calibrate.sgemm_key(threads, mod.get_isa()):
+                                {"v": stored, "at": time.time()}}))
+    linear_mod._sgemm.cache_clear()
+    try:
+        assert linear_mod.kernel_sgemm(threads) is bool(stored)
+    finally:
+        linear_mod._sgemm.cache_clear()

@@ -108,22 +108,9 @@ class _FakeKernel:
 @pytest.mark.parametrize("fast_rows,want", [(0, 0), (8, 8), (1000, calibrate.ROWS[-1])])
 def test_threshold_is_the_largest_row_count_where_the_kernel_wins(fast_rows, want, monkeypatch):
     monkeypatch.setattr(calibrate, "CALIBRATION_SHAPE", (256, 128))
-    assert calibrate.measure(_FakeKernel(fast_rows), torch.float32, linear_mod.large_linear) == want
-
-
-def test_measured_thresholds_are_stored_per_dtype_threads_and_path(kernel_isa):
-    for dtype in (torch.float32, torch.bfloat16):
-        rows = linear_mod.skinny_rows(dtype)
-        assert rows == 0 or rows in calibrate.ROWS
-    import json
-
-    table = json.loads(calibrate._store().read_text())
-    threads, isa = torch.get_num_threads(), kernel_isa.get_isa()
-    keys = {calibrate._key(dt, threads, isa) for dt in (torch.float32, torch.bfloat16)}
-    if linear_mod.ONEDNN:  # the float32 gemm beyond them, measured on the way
-        keys.add(f"float32:{threads}:onednn")
-    assert keys <= set(table)
-    assert linear_mod.skinny_rows(torch.float16) == 0
+    got = calibrate.measure(_FakeKernel(fast_rows), torch.float32, linear_mod.large_linear,
+                            stop_on_noise=False)  # the decision, whatever the machine's load
+    assert got.value == want
 
 
 def test_the_float32_gemm_is_the_one_measured_faster(monkeypatch):
@@ -133,8 +120,8 @@ def test_the_float32_gemm_is_the_one_measured_faster(monkeypatch):
         for _ in range(3):
             F.linear(x, w)
 
-    assert calibrate.measure_gemm(F.linear, slow) is True
-    assert calibrate.measure_gemm(slow, F.linear) is False
+    assert calibrate.measure_gemm(F.linear, slow, stop_on_noise=False).value == 1
+    assert calibrate.measure_gemm(slow, F.linear, stop_on_noise=False).value == 0
 
 
 @pytest.mark.parametrize("onednn_wins", [True, False])

@@ -1,0 +1,173 @@
+"""engine/kernels/calibrate.py: the dispatch's measured choices are stored only when measured
+quietly, a noisy measurement leaves a safe default for the process, and a stored choice seen
+wrong is measured again and replaced. Real kernels and gemms; the load is real busy processes.
+The store is a private file (the machine's own stays untouched)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from engine.kernels import calibrate
+from engine.kernels import linear as linear_mod
+
+CHOICES = (linear_mod._onednn, linear_mod._sgemm, linear_mod._thresholds)
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    path = tmp_path / "k.thresholds.json"
+    monkeypatch.setattr(calibrate, "_store", lambda: path)
+    if linear_mod.linear_kernel() is None:
+        pytest.skip("no CPU kernels on this machine")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: a load on the other CPUs leaves it alone
+    for c in CHOICES:
+        c.cache_clear()
+    yield path
+    torch.set_num_threads(threads)
+    for c in CHOICES:  # nothing of the private store leaks into later tests
+        c.cache_clear()
+
+
+@pytest.fixture
+def first_in_line(monkeypatch):
+    """This thread at the highest priority (where allowed), the others' CPU not counted, a
+    noisy try retried at once: a measurement that stays quiet on a busy test machine."""
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    with contextlib.suppress(PermissionError):
+        os.setpriority(os.PRIO_PROCESS, 0, -20)  # this thread's (Linux: per thread)
+    monkeypatch.setattr(calibrate, "MAX_OTHERS", 1e9)
+    monkeypatch.setattr(calibrate, "RETRY_S", 0.0)
+    yield
+    os.setpriority(os.PRIO_PROCESS, 0, nice)
+
+
+@pytest.fixture
+def busy():
+    """Two busy processes per CPU of ours, running (CPU time seen) before the test goes on."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+             for _ in range(2 * len(os.sched_getaffinity(0)))]
+    try:
+        deadline = time.monotonic() + 30
+        while not all(_cpu_s(p.pid) > 0.05 for p in procs):
+            assert time.monotonic() < deadline, "busy processes never ran"
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _stored(path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _rows_key() -> str:
+    return calibrate.threshold_key(torch.float32, 1, linear_mod.linear_kernel().get_isa())
+
+
+def _settle(choices, call, deadline_s: float = 90.0):
+    """Calls `call()` until its choice is final (measured quietly or read from the store)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        value = call()
+        if choices.final:
+            return value
+        assert time.monotonic() < deadline, f"never measured quietly: {choices.noise}"
+
+
+@pytest.mark.parametrize("check", ["load", "wait"])
+def test_a_measurement_under_load_is_not_stored_and_the_process_runs_a_default(
+        store, busy, monkeypatch, check, caplog):
+    if check == "wait":  # past the load probe: the run delay inside the measurement
+        monkeypatch.setattr(calibrate, "MAX_OTHERS", 1e9)
+        monkeypatch.setattr(calibrate, "CALIBRATION_SHAPE", (1024, 256))  # quick under load
+    caplog.set_level("INFO", logger="engine.kernels.calibrate")
+    out = linear_mod.recalibrate()
+    assert out and all(v is None for v in out.values()), out
+    assert _stored(store) == {}
+    assert linear_mod.skinny_rows(torch.float32) == calibrate.DEFAULT_ROWS
+    assert not linear_mod.onednn_sgemm(1)  # the BLAS gemm F.linear meanwhile
+    assert _stored(store) == {}
+    value, retry_at, _ = linear_mod._thresholds.pending[(torch.float32, 1, store_isa())]
+    assert value == calibrate.DEFAULT_ROWS and retry_at > time.monotonic()
+    want = "other processes used" if check == "load" else "waited for a CPU"
+    assert want in caplog.text
+
+
+def store_isa() -> str:
+    return linear_mod.linear_kernel().get_isa()
+
+
+@pytest.mark.parametrize("old", ["legacy int", "older than RECHECK_S"])
+def test_a_stored_wrong_threshold_is_measured_again_and_replaced(store, first_in_line, old):
+    # 0: "the gemm always wins"; the kernel streams the weight once and beats it at 8 rows
+    # by several times on every CPU it runs on, so a quiet measurement says >= 8.
+    entry = 0 if old == "legacy int" else {"v": 0, "at": time.time() - calibrate.RECHECK_S - 5}
+    store.write_text(json.dumps({_rows_key(): entry}))
+    rows = _settle(linear_mod._thresholds, lambda: linear_mod.skinny_rows(torch.float32))
+    assert rows >= 8
+    stored = _stored(store)[_rows_key()]
+    assert stored["v"] == rows and time.time() - stored["at"] < 120
+
+
+def test_a_recent_stored_choice_is_used_without_measuring(store):
+    store.write_text(json.dumps({_rows_key(): {"v": 2, "at": time.time()}}))
+    start = time.perf_counter()
+    assert linear_mod.skinny_rows(torch.float32) == 2
+    assert time.perf_counter() - start < 0.05  # no measurement (that takes seconds)
+    assert linear_mod._thresholds.final
+
+
+def test_quiet_measurements_are_stored_per_dtype_threads_and_path(store, first_in_line,
+                                                                  monkeypatch):
+    monkeypatch.setattr(calibrate, "CALIBRATION_SHAPE", (512, 256))  # cheap; the keys matter
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = _settle(linear_mod._thresholds, lambda dtype=dtype: linear_mod.skinny_rows(dtype))
+        assert rows == 0 or rows in calibrate.ROWS
+        linear_mod._thresholds.final.clear()  # the second dtype settles on its own
+    keys = {calibrate.threshold_key(dt, 1, store_isa()) for dt in (torch.float32, torch.bfloat16)}
+    if linear_mod.ONEDNN:  # the float32 gemm beyond them, measured on the way
+        keys.add(calibrate.gemm_key(1))
+    if linear_mod.sgemm_kernel() is not None:
+        keys.add(calibrate.sgemm_key(1, store_isa()))
+    table = _stored(store)
+    assert keys <= set(table) and all(isinstance(table[k]["at"], int) for k in keys)
+    assert linear_mod.skinny_rows(torch.float16) == 0
+
+
+HOLD = """
+import fcntl, sys, time
+f = open(sys.argv[1], "a")
+fcntl.flock(f, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_no_two_processes_measure_at_once(store):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(store.with_suffix(".lock"))],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        start = time.perf_counter()
+        assert linear_mod.skinny_rows(torch.float32) == calibrate.DEFAULT_ROWS
+        assert time.perf_counter() - start < 1.0  # not measured: the other process does
+        assert _stored(store) == {}
+    finally:
+        holder.kill()
+        holder.wait()
