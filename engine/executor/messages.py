@@ -43,6 +43,7 @@ class WorkerInfo(msgspec.Struct, array_like=True):
     torch_threads: int
     kv_binding: KVBinding | None = None  # what its connector worker half bound
     collectives: str = "gloo"  # the TP layers' all-reduce: "shm" (shm_collectives) or "gloo"
+    wakes: bool = False  # its connector worker half rings the executor's wake bell
 
 
 class WorkerReady(msgspec.Struct, array_like=True, tag=True):

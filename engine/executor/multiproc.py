@@ -11,9 +11,12 @@ reads the workers' heartbeats (each worker stamps its response ring; engine/core
 When a worker exits outside shutdown, or gives no heartbeat for `heartbeat_timeout_s` (stopped,
 frozen), it records why and calls `on_failure` (EngineCoreLoop.fail: the busy loop raises at
 once, even when idle, and its owner reports the engine dead — ENGINE_CORE_DEAD with the
-reason from a core process). A call blocked on a ring wakes on the same sentinels, checks the
-same heartbeats every `_CHECK_S`, and gives up after `step_timeout_s` (a collective that never
-completes): it raises WorkerDied naming the worker. Nothing waits without a bound.
+reason from a core process). The monitor also waits on the ranks' wake bells (P/D: one pipe
+per rank; its connector writes a byte when it has news for `get_finished`) and wakes the engine
+loop, so a loop whose requests all wait for remote KV sleeps, as at TP = 1. A call blocked
+on a ring wakes on the same sentinels, checks the same heartbeats every `_CHECK_S`, and gives
+up after `step_timeout_s` (a collective that never completes): it raises WorkerDied naming
+the worker. Nothing waits without a bound.
 
 Rendezvous: the ranks meet through a torch FileStore in a private (0700) directory of this
 process, removed at shutdown — no TCP store, nothing listening on any interface; gloo's own
@@ -36,7 +39,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
@@ -101,6 +104,11 @@ class MultiprocExecutor:
         self._comm_path = (None if config.device.startswith("cuda")
                            else create_segment(self._store_dir, self.tp_size))
         handle = m.encode(self.broadcast.handle)
+        # P/D: each rank's connector rings its wake bell when it has news (set_wakeup).
+        wake_bells = [ctx.Pipe(duplex=False) if self.kv_outputs is not None else (None, None)
+                      for _ in range(self.tp_size)]
+        self._wake_bells = [recv for recv, _ in wake_bells if recv is not None]
+        self._wake: Callable[[], None] | None = None
         self.procs: list[multiprocessing.process.BaseProcess] = []
         ready_pipes, response_bells = [], []
         with _may_have_children():
@@ -111,9 +119,11 @@ class MultiprocExecutor:
                     target=worker_main, name=f"TPWorker_{rank}", daemon=False,
                     args=(config_to_dict(config), rank, self.tp_size, store, threads, handle,
                           bells[rank][0], resp_send, ready_send, logging.getLogger().level,
-                          self._comm_path))
+                          self._comm_path, wake_bells[rank][1]))
                 proc.start()
                 ready_send.close()
+                if wake_bells[rank][1] is not None:
+                    wake_bells[rank][1].close()  # the worker's: EOF here once it is gone
                 self.procs.append(proc)
                 ready_pipes.append(ready_recv)
                 response_bells.append(resp_recv)
@@ -250,7 +260,12 @@ class MultiprocExecutor:
         return dict(total)
 
     def set_wakeup(self, wake: Callable[[], None]) -> bool:
-        return False  # the worker halves live in other processes: the engine polls them
+        """The worker halves ring their wake bells (one pipe per rank, a byte per news); the
+        monitor thread, which waits on them with the sentinels, calls `wake`."""
+        if not self._wake_bells or not all(i.wakes for i in self.infos):
+            return False
+        self._wake = wake
+        return True
 
     def connector_tables(self) -> dict[str, int]:
         if self.kv_outputs is None:
@@ -273,11 +288,20 @@ class MultiprocExecutor:
 
     def _watch_workers(self) -> None:
         sentinels = [p.sentinel for p in self.procs]
+        bells = list(self._wake_bells)
         interval = heartbeat_interval(self.heartbeat_timeout_s)
         silent = None
-        while not self._closing and not wait(sentinels, timeout=interval):
-            if (silent := self._silent_worker()) is not None:
+        next_check = time.monotonic() + interval
+        while not self._closing:
+            fired = wait([*sentinels, *bells], timeout=max(0.0, next_check - time.monotonic()))
+            if any(obj in sentinels for obj in fired):
                 break
+            for bell in fired:
+                self._ring(bell, bells)
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + interval
+                if (silent := self._silent_worker()) is not None:
+                    break
         if self._closing:
             return
         self.failure = (self.failure or silent or self._describe_death()
@@ -285,6 +309,18 @@ class MultiprocExecutor:
         logger.error("%s; failing the engine", self.failure)
         if self.on_failure is not None:
             self.on_failure(self.failure)
+
+    def _ring(self, bell: Connection, bells: list[Connection]) -> None:
+        """A rank's connector has news: drain its bell, wake the engine loop (once)."""
+        try:
+            got = os.read(bell.fileno(), 4096)
+        except BlockingIOError:
+            return
+        if not got:
+            bells.remove(bell)  # the rank closed it (exiting): its sentinel says why
+            return
+        if self._wake is not None:
+            self._wake()
 
     # -- shutdown (engine-core thread) ----------------------------------------------------
     def shutdown(self) -> None:
@@ -309,5 +345,7 @@ class MultiprocExecutor:
             r.close(unlink=True)  # a killed worker cannot; after a clean exit it is a no-op
         self.broadcast.close()
         remove_segment(self._comm_path)
+        for bell in self._wake_bells:
+            bell.close()
         shutil.rmtree(self._store_dir, ignore_errors=True)
 

@@ -19,12 +19,14 @@ response ring's heartbeat, so the executor can tell a stopped worker from a slow
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -53,7 +55,8 @@ class Worker:
     """The RPC surface of one rank: every method named in messages.RPC_TYPES."""
 
     def __init__(self, config: EngineConfig, rank: int, tp_size: int,
-                 watch: StartupWatch, comm_path: str | None = None) -> None:
+                 watch: StartupWatch, comm_path: str | None = None,
+                 wake_bell: Connection | None = None) -> None:
         from engine.runner.model_runner import ModelRunner
 
         self.rank = rank
@@ -69,6 +72,10 @@ class Worker:
             if self.connector is not None:
                 self.connector.register_kv_caches(self.runner.kv_cache)
         self.runner.connector = self.connector
+        # The connector's news (KV landed, a transfer failed) rings the executor's wake bell,
+        # so a parked engine loop sleeps until then instead of stepping to ask.
+        self.wakes = (self.connector is not None and wake_bell is not None
+                      and self.connector.set_wakeup(_ringer(wake_bell)))
         meta = None if self.connector is None else self.connector.meta_type
         self._so_decoder = msgspec.msgpack.Decoder(
             SchedulerOutput if meta is None else SchedulerOutput[meta])
@@ -92,7 +99,8 @@ class Worker:
                             num_kv_heads=r.model.num_kv_heads,
                             torch_threads=torch.get_num_threads(),
                             kv_binding=None if self.connector is None
-                            else self.connector.binding(), collectives=self.comm_kind)
+                            else self.connector.binding(), collectives=self.comm_kind,
+                            wakes=self.wakes)
 
     def num_requests(self, _: None) -> int:
         return self.runner.num_requests
@@ -100,6 +108,19 @@ class Worker:
     def shutdown(self, _: None) -> None:
         if self.connector is not None:
             self.connector.shutdown()
+
+
+def _ringer(bell: Connection) -> Callable[[], None]:
+    """A wake-up any thread may call: one byte into the executor's pipe, never blocking (a
+    full pipe already holds a wake-up the executor has not read yet)."""
+    fd = bell.fileno()
+    os.set_blocking(fd, False)
+
+    def ring() -> None:
+        with contextlib.suppress(OSError):  # full (a wake-up is pending) or the parent is gone
+            os.write(fd, b"!")
+
+    return ring
 
 
 def _loopback_only(backend: str) -> None:
@@ -131,7 +152,8 @@ def _watch_parent() -> None:
 def worker_main(config: dict[str, Any], rank: int, tp_size: int, store_path: str,
                 threads: int, broadcast: bytes, broadcast_bell: Connection,
                 response_bell: Connection, ready: Connection,
-                log_level: int = logging.INFO, comm_path: str | None = None) -> None:
+                log_level: int = logging.INFO, comm_path: str | None = None,
+                wake_bell: Connection | None = None) -> None:
     """Entry point of the spawned worker. Never returns."""
     logging.basicConfig(level=log_level, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s [TPWorker_{rank} pid=%(process)d] "
@@ -158,7 +180,7 @@ def worker_main(config: dict[str, Any], rank: int, tp_size: int, store_path: str
             _loopback_only(backend)
             dist.init_process_group(backend, store=dist.FileStore(store_path, tp_size),
                                     rank=rank, world_size=tp_size)
-        worker = Worker(cfg, rank, tp_size, watch, comm_path)
+        worker = Worker(cfg, rank, tp_size, watch, comm_path, wake_bell)
         reader = ShmReader(msgspec.msgpack.decode(broadcast, type=RingHandle), rank,
                            broadcast_bell)
         response = ShmWriter(1, [response_bell], num_slots=_RESPONSE_SLOTS)
