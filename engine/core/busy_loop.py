@@ -1,8 +1,10 @@
 """The EngineCore busy loop: input queue in, EngineCore steps, output queue out.
 
-No sockets here. `EngineCoreProc` feeds `input_queue` from its input thread and drains
-`output_queue` on its output thread; the loop itself runs on the core process's main
-thread, which is the only thread that touches the EngineCore.
+No sockets here. `EngineCoreProc` feeds `input_queue` from its input thread; the loop hands
+each step's outputs to `emit` (by default `output_queue.put_nowait`; `EngineCoreProc` sends
+them at once on this thread when it can, else through its output thread). The loop itself
+runs on the core process's main thread, which is the only thread that touches the
+EngineCore.
 
 Loop invariants:
 - Idle (the core has no work): block on the input queue; no spinning.
@@ -72,6 +74,8 @@ class EngineCoreLoop:
         # in input order.
         self.aborts_queue: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
         self.output_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # Where EngineCoreOutputs go, in order (EngineCoreProc replaces it, see there).
+        self.emit: Callable[[Any], None] = self.output_queue.put_nowait
         self.num_steps = 0
         self.step_started: float | None = None  # monotonic start of the step in progress
         self.num_malformed_inputs = 0  # bumped by the input thread (single writer)
@@ -143,7 +147,7 @@ class EngineCoreLoop:
             self.on_step(outputs.scheduler_stats)
         if outputs.outputs or outputs.finished_requests:
             outputs.engine_index = self.engine_index
-            self.output_queue.put_nowait(outputs)
+            self.emit(outputs)
         elif self._woken and self.core.scheduler.only_parked():
             # Every request waits for remote KV: the connector wakes the loop when it lands.
             self._handle_next(_PARKED_BACKSTOP_S)
@@ -196,7 +200,7 @@ class EngineCoreLoop:
                 logger.warning("engine %d: utility %s (call %d) failed: %s",
                                self.engine_index, call.method, call.call_id, e)
                 out.failure_message = f"{type(e).__name__}: {e}"
-        self.output_queue.put_nowait(
+        self.emit(
             EngineCoreOutputs(engine_index=self.engine_index, utility_output=out,
                               timestamp=time.time())
         )
@@ -208,7 +212,7 @@ class EngineCoreLoop:
     def _reply_error(self, request_id: str, message: str) -> None:
         out = EngineCoreOutput(request_id=request_id, new_token_ids=[],
                                finish_reason=FinishReason.ERROR, error=message)
-        self.output_queue.put_nowait(
+        self.emit(
             EngineCoreOutputs(engine_index=self.engine_index, outputs=[out],
                               timestamp=time.time())
         )

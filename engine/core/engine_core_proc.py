@@ -6,8 +6,10 @@ Threads of the core process:
 - "EngineCoreInput_<i>": DEALER (2-byte identity) connected to the client's ROUTER; decodes
   with one typed decoder per request type and puts work on the input queue. A malformed
   message is counted, logged (one line) and dropped; it never stops the thread;
-- "EngineCoreOutput_<i>": PUSH connected to the client's PULL; encodes EngineCoreOutputs
-  into reused bytearrays and sends zero-copy, tracking each send until zmq is done with it;
+- "EngineCoreOutput_<i>": PUSH connected to the client's PULL; sends heartbeats, DEAD and
+  the outputs the busy loop could not send at once (engine/core/output_sender.py: the loop
+  sends a step's outputs itself when the socket is free; both encode into reused bytearrays
+  and send zero-copy, tracking each send until zmq is done with it);
 - "EngineCoreParentWatch_<i>": exits the process when the parent process is gone, so no
   orphan engine outlives its frontend;
 - "EngineCoreHeartbeat_<i>": the frontend's proof that this process lives, and the backstop
@@ -30,7 +32,6 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -53,8 +54,9 @@ from engine.core.messages import (
     encode_handshake,
     engine_identity,
 )
+from engine.core.output_sender import OutputSender
 from engine.protocol import EngineCoreRequest, EngineCoreRequestType
-from engine.serial import MsgpackDecoder, MsgpackEncoder
+from engine.serial import MsgpackDecoder
 from engine.startup import StartupWatch
 
 logger = logging.getLogger(__name__)
@@ -105,6 +107,8 @@ class EngineCoreProc:
                 raise
             self.loop = build_loop(core, engine_index, config, self.ctx, init,
                                    self._threads_stop)
+            self.sender = OutputSender()
+            self.loop.emit = self._emit
             with watch.stage("io_threads"):
                 self._start_io_threads(init)
             with watch.stage("ready"):
@@ -188,34 +192,39 @@ class EngineCoreProc:
             self.loop.input_queue.put_nowait((InputKind.UTILITY, payload))
 
     # -- output thread ----------------------------------------------------------------
+    def _emit(self, outputs: Any) -> None:
+        """The busy loop's outputs: sent at once when the socket is free (output_sender.py),
+        else queued for the output thread, in order. After sending, the loop yields its CPU
+        once: the API server that forwards these tokens (and zmq's I/O thread) run before
+        the next step instead of after the scheduler's slice (a no-op on an idle CPU)."""
+        if self.sender.try_now(outputs):
+            os.sched_yield()
+            return
+        with self.sender.lock:
+            self.sender.queued += 1
+        self.loop.output_queue.put_nowait(outputs)
+
     def _output_thread(self, address: str) -> None:
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, _OUTPUT_LINGER_MS)
         sock.connect(address)
-        encoder = MsgpackEncoder()
-        free: list[bytearray] = []
-        # (trackers, body buffer, frames): frames keep tensor memory alive until sent.
-        pending: deque[tuple[list[zmq.MessageTracker], bytearray, list[Any]]] = deque()
+        out = self.sender
+        with out.lock:
+            out.sock = sock
         try:
             while True:
                 item = self.loop.output_queue.get()
-                if item is _DEAD:
-                    sock.send(encode_dead(self._dead_reason))
-                    return
-                if item is _STOP:
-                    return
-                if isinstance(item, bytes):  # a heartbeat, encoded by its thread
-                    sock.send(item, copy=True)
-                    continue
-                while pending and all(t.done for t in pending[0][0]):
-                    free.append(pending.popleft()[1])
-                buf = free.pop() if free else bytearray()
-                frames = encoder.encode_into(item, buf)
-                trackers = []
-                for i, frame in enumerate(frames):
-                    more = zmq.SNDMORE if i < len(frames) - 1 else 0
-                    trackers.append(sock.send(frame, more, copy=False, track=True))
-                pending.append((trackers, buf, frames))
+                with out.lock:
+                    if item is _DEAD:
+                        sock.send(encode_dead(self._dead_reason))
+                        return
+                    if item is _STOP:
+                        return
+                    if isinstance(item, bytes):  # a heartbeat, encoded by its thread
+                        sock.send(item, copy=True)
+                        continue
+                    out.send(item)
+                    out.queued -= 1
         except Exception:
             # Cannot talk to the client any more: that is fatal for the engine.
             logger.exception("engine %d: output thread failed", self.engine_index)
@@ -226,6 +235,8 @@ class EngineCoreProc:
                 pass
             os._exit(EXIT_FATAL)
         finally:
+            with out.lock:
+                out.sock = None
             sock.close()
 
     # -- lifecycle (main thread) --------------------------------------------------------
