@@ -30,6 +30,7 @@ import stat
 import tempfile
 import time
 import uuid
+import weakref
 from collections.abc import Callable, MutableMapping
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ def apply_thread_defaults(environ: MutableMapping[str, str] | None = None) -> di
 
 REGISTRY_ENV = "PDSERVE_CORE_REGISTRY"  # the directory (tests point it at their own)
 RECOUNT_S = 1.0
+_IN_PROCESS: weakref.WeakSet[CoreShare] = weakref.WeakSet()  # this process's (DecodePace)
 
 
 def registry_dir() -> str:
@@ -129,6 +131,7 @@ class CoreShare:
         self.name = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         os.rename(tmp, os.path.join(self.dir, self.name))
         self._file = fd
+        _IN_PROCESS.add(self)
 
     def sharing(self) -> int:
         """Live registered model processes (this one included) that may run on a CPU of ours;
@@ -182,6 +185,7 @@ class CoreShare:
     def close(self) -> None:
         if self._file is None:
             return
+        _IN_PROCESS.discard(self)
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(self.dir, self.name))
         os.close(self._file)
@@ -205,3 +209,62 @@ def core_share(base_threads: int) -> CoreShare | None:
         logger.warning("intra-op threads stay at %d: core registry unusable (%s)",
                        base_threads, exc)
         return None
+
+
+# --- decode steps on shared cores ----------------------------------------------------------
+# A decode engine (D) whose requests' KV arrives one prefill chunk at a time from a P on the
+# same cores steps as fast as it can on the few sequences it has: issue 33 item 6's load ran
+# D 1386 steps against the colocated server's 136, each step's fixed cost (the forward's
+# Python, the outputs, the API server's per-step work) paid ten times over, on the cores P's
+# prefill needs. While the next step would only decode and more requests wait for their KV
+# to land (the scheduler's `decode_awaits_kv`), and this process shares its cores with
+# another model process (CoreShare counted one), DecodePace starts a step no sooner than
+# PACE_ENV milliseconds (default 60) after the previous one: the arrivals join one step
+# instead of each starting another, and the CPU goes to P meanwhile. A step longer than that
+# is never held; a lone engine, a colocated server and a P are never held (nothing waits for
+# remote KV there, or nothing shares the cores); "0" turns it off.
+
+PACE_ENV = "PDSERVE_DECODE_PACE_MS"
+PACE_MS = 60.0
+
+
+def shared_cores() -> bool:
+    """Whether a model process of this process counted another one on its cores at its last
+    recount (CoreShare)."""
+    return any(share._last_sharing > 1 for share in list(_IN_PROCESS))
+
+
+class DecodePace:
+    """`wait(holds)` before each step: see above. Not thread-safe: the engine loop's thread."""
+
+    def __init__(self, interval_s: float | None = None, *,
+                 shared: Callable[[], bool] = shared_cores,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        if interval_s is None:
+            try:
+                interval_s = float(os.environ.get(PACE_ENV, PACE_MS)) / 1e3
+            except ValueError:
+                logger.warning("%s=%r is not a number of milliseconds: %g used", PACE_ENV,
+                               os.environ[PACE_ENV], PACE_MS)
+                interval_s = PACE_MS / 1e3
+        self.interval_s = max(0.0, interval_s)
+        self.shared, self.clock, self.sleep = shared, clock, sleep
+        self.last = float("-inf")
+        self.held_s = 0.0  # in all, for stats
+        self.num_held = 0
+
+    def wait(self, holds: bool) -> float:
+        """Sleeps until `interval_s` after the previous step's start where `holds` and the
+        cores are shared; returns the seconds slept. Marks this step's start."""
+        now = self.clock()
+        wait = self.last + self.interval_s - now
+        if holds and wait > 0 and self.interval_s > 0 and self.shared():
+            self.sleep(wait)
+            self.held_s += wait
+            self.num_held += 1
+            now = self.clock()
+        else:
+            wait = 0.0
+        self.last = now
+        return wait

@@ -163,17 +163,42 @@ def stop_spies(spies: list[subprocess.Popen]) -> None:
         spy.wait(60)
 
 
+def num_steps(server: ServerProcess) -> int | None:
+    """The engine's busy-loop steps so far (/engine_stats), None for a proxy."""
+    try:
+        stats = httpx.get(f"{server.url}/engine_stats", timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    found = [v for k, v in _walk(stats) if k == "num_steps" and isinstance(v, int)]
+    return sum(found) if found else None
+
+
+def _walk(obj: Any):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield k, v
+            yield from _walk(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _walk(v)
+
+
 def measure(kind: str, servers: dict[str, ServerProcess], url: str, texts: list[str],
             out_len: int, top: int) -> tuple[dict[str, Any], list[str]]:
     spies = start_spies(kind, servers)
+    steps0 = {name: num_steps(s) for name, s in servers.items()}
     before = {name: cpu_snapshot(s) for name, s in servers.items()}
     wall, answers = asyncio.run(_load(url, texts, out_len))
     after = {name: cpu_snapshot(s) for name, s in servers.items()}
     stop_spies(spies)
     cpu = {name: cpu_delta(before[name], after[name], top) for name in servers}
+    for name, s in servers.items():
+        if steps0[name] is not None and (steps := num_steps(s)) is not None:
+            cpu[name]["steps"] = steps - steps0[name]
     total = sum(c["cpu_s"] for c in cpu.values())
     print(f"{kind:10s} wall {wall:6.1f} s  CPU {total:6.1f} s ("
-          + ", ".join(f"{n} {c['cpu_s']:.1f}" for n, c in cpu.items())
+          + ", ".join(f"{n} {c['cpu_s']:.1f}" + (f" in {c['steps']} steps" if "steps" in c
+                                                   else "") for n, c in cpu.items())
           + f")  CPU/request {1e3 * total / len(texts):.1f} ms", flush=True)
     return {"wall_s": round(wall, 2), "cpu_s": round(total, 2),
             "cpu_ms_per_request": round(1e3 * total / len(texts), 2), "servers": cpu}, answers

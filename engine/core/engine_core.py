@@ -28,6 +28,7 @@ from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import Scheduler
 from engine.startup import freeze_startup_objects
 from engine.structured.grammars import compile_grammar
+from engine.threads import DecodePace
 
 if TYPE_CHECKING:
     from engine.startup import StartupWatch
@@ -60,6 +61,7 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             connector=connector,
         )
+        self.pace = DecodePace()  # decode steps held for KV about to land, on shared cores
         self.kv_events: tuple[KVEventRecorder, ZmqEventPublisher] | None = None
         if config.kv_events_config is not None and config.kv_events_config.enabled:
             recorder = KVEventRecorder(config.block_size)
@@ -83,6 +85,7 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """Schedule → execute → update. Returns the outputs of this step (maybe none)."""
+        self.pace.wait(self.scheduler.decode_awaits_kv())
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)

@@ -151,6 +151,14 @@ class Scheduler:
                 and not self._pending_outputs and not self._finished_req_ids
                 and all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.waiting))
 
+    def decode_awaits_kv(self) -> bool:
+        """True when the next step would only decode while requests still wait for remote KV
+        and could join the batch (engine/threads.py DecodePace holds such steps on shared
+        cores, so they join one step instead of each starting another)."""
+        return (bool(self.running) and bool(self.waiting)
+                and len(self.running) < self.max_num_seqs
+                and all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.waiting))
+
     def has_work(self) -> bool:
         """True while a step would do or report anything (drives the busy loop)."""
         return (

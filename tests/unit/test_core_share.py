@@ -9,7 +9,17 @@ import sys
 
 import pytest
 
-from engine.threads import REGISTRY_ENV, SHARE_ENV, CoreShare, apply_thread_defaults, core_share
+from engine.threads import (
+    PACE_ENV,
+    PACE_MS,
+    REGISTRY_ENV,
+    SHARE_ENV,
+    CoreShare,
+    DecodePace,
+    apply_thread_defaults,
+    core_share,
+    shared_cores,
+)
 
 HOLDER = """
 import sys, time
@@ -145,3 +155,118 @@ def test_the_users_thread_count_stands_and_opting_out_registers_nothing(
     assert core_share(2) is None and os.listdir(tmp_path) == []
     monkeypatch.delenv(SHARE_ENV)
     assert core_share(2) is None  # an offline LLM: no server set it
+
+
+# --- DecodePace: decode steps held for KV about to land, on shared cores -----------------
+
+
+class _Sleeps:
+    def __init__(self, now: list[float]) -> None:
+        self.now, self.slept = now, []
+
+    def __call__(self, s: float) -> None:
+        self.slept.append(round(s, 6))
+        self.now[0] += s
+
+
+@pytest.mark.parametrize("shared,holds,held", [(True, True, True), (False, True, False),
+                                              (True, False, False)])
+def test_decode_steps_are_held_only_on_shared_cores_while_kv_is_about_to_land(
+        shared, holds, held) -> None:
+    now, clock = _clock()
+    sleep = _Sleeps(now)
+    pace = DecodePace(0.06, shared=lambda: shared, clock=clock, sleep=sleep)
+    assert pace.wait(holds) == 0.0  # the first step: nothing to space it from
+    now[0] += 0.01  # a 10 ms step
+    assert pace.wait(holds) == pytest.approx(0.05 if held else 0.0)
+    assert sleep.slept == ([0.05] if held else [])
+    now[0] += 0.08  # a step longer than the interval is never held
+    assert pace.wait(holds) == 0.0 and len(sleep.slept) == (1 if held else 0)
+
+
+def test_pace_follows_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv(PACE_ENV, "0")
+    now, clock = _clock()
+    assert DecodePace(shared=lambda: True, clock=clock).wait(True) == 0.0
+    assert DecodePace(shared=lambda: True, clock=clock).interval_s == 0.0
+    monkeypatch.setenv(PACE_ENV, "25")
+    assert DecodePace().interval_s == 0.025
+    monkeypatch.setenv(PACE_ENV, "soon")
+    assert DecodePace().interval_s == PACE_MS / 1e3
+
+
+def test_shared_cores_is_what_this_process_last_counted(tmp_path) -> None:
+    import gc
+
+    gc.collect()  # earlier tests' registrations, unclosed, are gone
+    now, clock = _clock()
+    mine = CoreShare(2, directory=str(tmp_path), cpus=frozenset({0, 1}), clock=clock)
+    assert not shared_cores()
+    other = CoreShare(2, directory=str(tmp_path), cpus=frozenset({0, 1}), clock=clock)
+    assert mine.tick() == 1 and shared_cores()
+    other.close()
+    now[0] += mine.recount_s
+    assert mine.tick() == 2 and not shared_cores()
+    mine.close()
+    assert not shared_cores()
+
+
+def _d_scheduler():
+    from types import SimpleNamespace
+
+    from engine.connector_api import KVCacheSpec
+    from engine.kv_transfer_config import KVTransferConfig
+    from engine.sched.scheduler import Scheduler
+    from kvconnector.pull.scheduler import PullScheduler
+
+    kv = KVTransferConfig(kv_connector="NixlConnector", engine_id="D0", kv_port=7002)
+    spec = KVCacheSpec(num_blocks=64, block_size=4, num_layers=1, num_kv_heads=1, head_dim=4,
+                       dtype="float32", bytes_per_block=64, model_name="m")
+    conn = PullScheduler(SimpleNamespace(kv_transfer_config=kv), spec)
+    return Scheduler(block_size=4, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64,
+                     max_model_len=256, connector=conn)
+
+
+def _run(sched, finished_recving=()):
+    from engine.connector_api import KVConnectorOutput
+    from engine.runner_output import ModelRunnerOutput
+
+    so = sched.schedule()
+    ids = list(so.num_scheduled_tokens)
+    out = ModelRunnerOutput(
+        req_ids=ids, sampled_token_ids=[[5] for _ in ids], logprobs=[None] * len(ids),
+        kv_connector_output=KVConnectorOutput(finished_recving=set(finished_recving)))
+    sched.update_from_output(so, out)
+
+
+def test_the_scheduler_says_when_a_decode_step_awaits_kv() -> None:
+    import time
+
+    from engine.protocol import SamplingParams
+    from engine.sched.request import Request
+    from kvconnector.endpoint import Endpoint
+    from kvconnector.pull.meta import prompt_digest
+    from kvconnector.pull.params import prefill_answer
+
+    sched = _d_scheduler()
+    prompt = list(range(100, 110))
+
+    def answer(rid: str) -> dict:  # P's answer for a finished prefill, as the proxy passes it
+        return prefill_answer(Endpoint("P0", "127.0.0.1", 7001), rid, [0, 1, 2], len(prompt),
+                              prompt_digest(prompt), time.time() + 100, "t-" + rid)
+
+    def add(rid: str, kv: dict | None) -> None:
+        sched.add_request(Request(rid, prompt,
+                                  SamplingParams(temperature=0.0, max_tokens=20), None,
+                                  kv_transfer_params=kv))
+
+    add("d1", answer("p-1"))
+    add("d2", answer("p-2"))
+    _run(sched)  # both wait for their KV
+    assert not sched.decode_awaits_kv()  # nothing runs: the parked loop's case, not this one
+    _run(sched, {"d1"})
+    _run(sched)
+    assert "d1" in {r.request_id for r in sched.running}
+    assert sched.decode_awaits_kv()  # d1 decodes while d2's KV is on its way
+    add("local", None)  # a prompt to prefill here: never held
+    assert not sched.decode_awaits_kv()
