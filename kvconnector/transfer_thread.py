@@ -187,9 +187,12 @@ class TransferThread:
         self._publish()
 
     def _run(self) -> None:
-        if self.nice > 0:  # this thread only (Linux: a thread is a task of its own)
+        if self.nice > 0:  # this thread only (Linux: a thread is a task of its own), and
+            # relative to the engine's own niceness (`nice pdserve ...` keeps the gap)
             try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid,
+                               min(19, os.getpriority(os.PRIO_PROCESS, tid) + self.nice))
             except OSError as exc:
                 logger.warning("%s: nice %d not applied (%s)", self.name, self.nice, exc)
         while not self._stop:
