@@ -8,12 +8,14 @@ the row-parallel outputs (o_proj, down_proj) are summed across ranks by `all_red
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.linear import act_kernels, fp32_kernels, linear
+from engine import kernels
+from engine.kernels.linear import act_kernels, linear
 from engine.models.arch import ModelArch
 from engine.models.parallel import AllReduceFn, TPLayout
 from engine.models.rope import apply_rotary
@@ -33,11 +35,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
+def row_kernels(x: torch.Tensor) -> ModuleType | None:
+    """The compiled kernels' module for `rope_` (rope.cpp) and `add_rms_norm` (rms_norm.cpp)
+    on x, a float32 or bf16 CPU [T, n] tensor (bf16 with the roundings of the torch code
+    below, which transformers' bf16 layers share); None where that torch code runs. In bf16
+    they are most of a decode step's fixed cost: rms_norm alone is ~10 torch ops (casts
+    around a float32 norm), apply_rotary 7, each a dispatch."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or x.dim() != 2:
+        return None
+    return kernels.compiled()
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x), residual + x), residual None meaning x alone: one compiled call
-    for float32 on the CPU (add_rms_norm, rms_norm.cpp), else a torch add and rms_norm."""
-    kernel = fp32_kernels(x) if x.is_contiguous() else None
+    for float32 and bf16 on the CPU (add_rms_norm, rms_norm.cpp), else a torch add and
+    rms_norm."""
+    kernel = row_kernels(x) if x.is_contiguous() and weight.dtype == x.dtype else None
     if kernel is not None and (residual is None or residual.is_contiguous()):
         return kernel.add_rms_norm(x, residual, weight, eps)
     residual = x if residual is None else residual + x
@@ -93,7 +107,8 @@ class DecoderLayer(nn.Module):
                    attn: AttentionFn, all_reduce: AllReduceFn | None) -> torch.Tensor:
         n = h.shape[0]
         qkv = linear(h, self.qkv_weight, self.qkv_bias)
-        kernel = fp32_kernels(qkv) if self.q_norm is None else None
+        kernel = (row_kernels(qkv) if self.q_norm is None and cos.dtype == qkv.dtype
+                  else None)
         if kernel is not None:
             # q and k rotated in place in qkv, one pass; q, k, v stay views of it.
             kernel.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads)

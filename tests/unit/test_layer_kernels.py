@@ -2,7 +2,8 @@
 instruction-set path (the `kernel_isa` fixture forces each): rope_ (rope.cpp) against
 engine/models/rope.py's apply_rotary, q and k heads of a fused q|k|v row rotated in place and
 the v columns left alone; add_rms_norm (rms_norm.cpp) against an add and F.rms_norm;
-silu_mul (silu_mul.cpp) against F.silu(gate) * up."""
+silu_mul (silu_mul.cpp) against F.silu(gate) * up. In bf16 each against the torch code the
+layers run without it (engine/models/layers.py, rope.py: transformers' roundings)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.models.layers import rms_norm
 from engine.models.rope import apply_rotary
 
 
@@ -32,10 +34,28 @@ def test_rope_matches_apply_rotary_in_place(kernel_isa, dim):
     assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v)
 
 
+@pytest.mark.parametrize("dim", [64, 20])
+def test_rope_on_bf16_rounds_as_apply_rotary_does(kernel_isa, dim):
+    gen = torch.Generator().manual_seed(dim + 1)
+    t, heads, kv_heads = 23, 4, 2
+    qkv = (torch.randn(t, (heads + 2 * kv_heads) * dim, generator=gen) * 3).bfloat16()
+    cos_sin = torch.randn(t, dim, generator=gen).bfloat16()  # the model's cache is bf16
+    cos, sin = cos_sin[:, None, :dim // 2], cos_sin[:, None, dim // 2:]
+    qk = qkv[:, :(heads + kv_heads) * dim].reshape(t, heads + kv_heads, dim)
+    want = apply_rotary(qk, cos, sin)  # every product and sum rounded to bf16
+    v = qkv[:, (heads + kv_heads) * dim:].clone()
+    kernel_isa.rope_(qkv, cos, sin, heads + kv_heads)
+    got = qkv[:, :(heads + kv_heads) * dim].reshape(t, heads + kv_heads, dim)
+    assert torch.equal(got, want)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v)
+
+
 def test_rope_rejects_what_it_cannot_rotate(kernel_isa):
     cos = torch.ones(4, 1, 8)
     with pytest.raises(RuntimeError, match="float32"):
-        kernel_isa.rope_(torch.ones(4, 32, dtype=torch.bfloat16), cos, cos, 2)
+        kernel_isa.rope_(torch.ones(4, 32, dtype=torch.bfloat16), cos, cos, 2)  # mixed dtypes
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel_isa.rope_(torch.ones(4, 32, dtype=torch.float64), cos.double(), cos.double(), 2)
     with pytest.raises(RuntimeError, match="shapes"):
         kernel_isa.rope_(torch.ones(4, 24), cos, cos, 2)
 
@@ -52,6 +72,27 @@ def test_add_rms_norm_matches_torch(kernel_isa, with_residual, n):
     torch.testing.assert_close(r, want_r, rtol=0, atol=0)
     torch.testing.assert_close(h, want_h, rtol=1e-5, atol=1e-5)
     assert r.data_ptr() != x.data_ptr()  # a new tensor, never x itself
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("n", [512, 40])
+def test_add_rms_norm_on_bf16_rounds_as_the_torch_layers_do(kernel_isa, with_residual, n):
+    gen = torch.Generator().manual_seed(n + 1)
+    x = (torch.randn(9, n, generator=gen) * 4).bfloat16()
+    res = (torch.randn(9, n, generator=gen) * 4).bfloat16()
+    w = (torch.rand(n, generator=gen) + 0.5).bfloat16()
+    want_r = x + res if with_residual else x  # torch's bf16 add: one rounding
+    want_h = rms_norm(want_r, w, 1e-6)  # float32 norm, to bf16, times w in bf16
+    h, r = kernel_isa.add_rms_norm(x, res if with_residual else None, w, 1e-6)
+    assert h.dtype == r.dtype == torch.bfloat16
+    assert torch.equal(r, want_r) and r.data_ptr() != x.data_ptr()
+    # The sum of squares runs in another order than torch's: a value on a bf16 rounding
+    # boundary may round the other way (one bf16 step), nothing more.
+    differ = (h != want_h).float().mean().item()
+    assert differ < 0.01, f"{differ:.2%} of the values differ from torch's"
+    torch.testing.assert_close(h.float(), want_h.float(), rtol=2 ** -7, atol=0)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernel_isa.add_rms_norm(x, None, w.float(), 1e-6)
 
 
 @pytest.mark.parametrize("inter", [1408, 37])  # 37: a row no vector width divides
