@@ -186,6 +186,7 @@ def _engine_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> di
                           for i in range(max(1, args.repeats // 2))]
             out[t] = {"prefill_s": prefill, "decode_step_s": decode, "sgemm_gflops": sgemm,
                       "mkl_sgemm_gflops": mkl, "gemm_gflops": gemms,
+                      "decode_breakdown": _decode_breakdown(client, vocab, args, f"db{t}"),
                       **min(breakdowns, key=lambda b: b["breakdown_prefill_s"])}
     finally:
         client.shutdown()
@@ -228,6 +229,33 @@ def _prefill_breakdown(client: Any, vocab: int, tokens: int, rid: str) -> dict[s
             "breakdown_attention_s": attention[0]}
 
 
+def _decode_breakdown(client: Any, vocab: int, args: argparse.Namespace,
+                      rid: str) -> dict[str, float]:
+    """Where a batch-1 decode step goes (one separately timed run, wrappers on): per step,
+    the model's matmuls, the attention calls and the rest (norms, rope, activations, the
+    sampler, Python), in seconds."""
+    from engine.models import causal_lm, layers
+    from engine.runner.attention import PagedAttention
+    from pdserve.bench.offline import _timed
+
+    matmul, attention = [0.0], [0.0]
+    client.add_request(_request(rid, vocab, args.decode_context, 5 + args.decode_steps, 7))
+    for _ in range(5):  # the prefill and the warm-up steps
+        client.get_output()
+    steps, done = 0, False
+    with _timed([layers, causal_lm], "linear", matmul), \
+            _timed([PagedAttention], "__call__", attention):
+        start = time.perf_counter()
+        while not done:
+            out = client.get_output()
+            steps += bool(out.outputs)
+            done = any(o.finished for o in out.outputs)
+        total = (time.perf_counter() - start) / steps
+    matmul_s, attention_s = matmul[0] / steps, attention[0] / steps
+    return {"step_s": total, "matmul_s": matmul_s, "attention_s": attention_s,
+            "other_s": total - matmul_s - attention_s}
+
+
 def _engine_table(args: argparse.Namespace, dtype: str, runs: dict[int, dict],
                   limits: dict[str, Any]) -> dict[int, dict]:
     costs = model_costs(args.model)
@@ -257,6 +285,14 @@ def _engine_table(args: argparse.Namespace, dtype: str, runs: dict[int, dict],
             table[t]["gemm_gflops"] = r["gemm_gflops"]  # each gemm on its own
             table[t]["best_gemm_fma_bound"] = round(
                 max(r["gemm_gflops"].values()) / lim["fma_gflops"], 3)
+        d = r.get("decode_breakdown")
+        if d:
+            weights = itemsize * (costs["linear_params"] + costs["head_params"])
+            table[t]["decode_breakdown"] = {
+                "step_ms": round(d["step_s"] * 1e3, 3), "matmul_ms": round(d["matmul_s"] * 1e3, 3),
+                "matmul_gbps": round(weights / d["matmul_s"] / 1e9, 2),
+                "attention_ms": round(d["attention_s"] * 1e3, 3),
+                "other_ms": round(d["other_s"] * 1e3, 3)}
         if lim["bf16_dot_gflops"]:
             table[t]["prefill_bf16_dot_fraction"] = round(gflops / lim["bf16_dot_gflops"], 3)
         # Where one (separately timed) prefill spent its time.
@@ -293,6 +329,11 @@ def _print(dtype: str, table: dict[int, dict], limits: dict[str, Any]) -> None:
                  else "") + "  |  "
               f"decode {r['decode_gbps']:6.2f} GB/s = {r['decode_bandwidth_fraction']:.2f} of "
               f"stream read {lim['read_gbps']:.2f}", flush=True)
+        d = r.get("decode_breakdown")
+        if d:
+            print(f"{dtype:8s} {t} thr  decode batch   1 step {d['step_ms']:.2f} ms: matmul "
+                  f"{d['matmul_ms']:.2f} ms ({d['matmul_gbps']:.2f} GB/s of weights), attention "
+                  f"{d['attention_ms']:.2f} ms, other {d['other_ms']:.2f} ms", flush=True)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

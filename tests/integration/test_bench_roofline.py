@@ -48,6 +48,11 @@ def test_roofline_reports_the_fractions_and_the_machine(result):
     assert result["bf16_prefill_speedup"] > 0
     assert result["bfloat16"]["1"]["prefill_gflops"] > 0
     assert result["bfloat16"]["1"]["decode_gbps"] > 0
+    for dtype in ("float32", "bfloat16"):  # where a batch-1 decode step goes
+        b = result[dtype]["1"]["decode_breakdown"]
+        assert b["matmul_ms"] > 0 and b["attention_ms"] > 0 and b["matmul_gbps"] > 0
+        assert b["matmul_ms"] + b["attention_ms"] + b["other_ms"] == pytest.approx(
+            b["step_ms"], abs=0.01)
 
 
 def test_flop_and_byte_counts_follow_the_model_shapes(result, tiny_model):
