@@ -39,7 +39,8 @@ from typing import Any
 import httpx
 import psutil
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
 
 from engine.net import free_port  # noqa: E402
 from pdserve.launcher import ServerProcess, launch_server  # noqa: E402
@@ -247,6 +248,19 @@ def pd(args: argparse.Namespace, extra: dict[str, str],
         stop_all(procs)
 
 
+def calibrate_first(env: dict[str, str]) -> None:
+    """The kernels' calibrations for every thread count the servers will run (the colocated
+    one at all cores, P and D at a share), measured now and stored where quiet, so that no
+    engine measures one inside the measured load (engine/kernels/calibrate.py)."""
+    cores = len(os.sched_getaffinity(0))
+    for threads in sorted({1, max(1, cores // 2), cores}):
+        out = subprocess.run([sys.executable, "-m", "engine.kernels"], capture_output=True,
+                             text=True, cwd=ROOT, env={**os.environ, **env,
+                                             "OMP_NUM_THREADS": str(threads)})
+        print(f"calibration at {threads} threads: {out.stdout.strip() or out.stderr[-300:]}",
+              flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=".models/tiny-llama")
@@ -280,6 +294,7 @@ def main() -> None:
         settings["baseline"] = {**args.env,
                                 **dict(kv.split("=", 1) for kv in args.baseline_env)}
     texts = prompts(args.num_requests, args.seed)
+    calibrate_first(args.env)
     runs: list[dict[str, Any]] = []
     for r in range(args.rounds):
         for setting, env in settings.items():

@@ -17,7 +17,9 @@ rounds and each keeps its minimum; and the measurement is *noisy*, and never sto
 - other processes ran on this process's CPUs more than the CPUs its threads leave free plus
   MAX_OTHERS (the machine's load, /proc/stat), or
 - another process is measuring (the store's lock is held).
-A noisy measurement stops at its first noisy step. The process then runs a safe default
+A look at the machine's runnable tasks (/proc/loadavg) comes first, so a loaded machine
+costs a few milliseconds, not a measurement; a noisy measurement stops at its first noisy
+step. The process then runs a safe default
 (DEFAULT_ROWS; the BLAS gemm F.linear) or the stored value it was checking, and measures
 again after RETRY_S (doubling up to RETRY_MAX_S), and every new process tries again at its
 first use. A stored value is measured again (quietly) at its first use after RECHECK_S, and
@@ -60,7 +62,7 @@ MAX_WAIT = 0.05
 MAX_OTHERS = 0.5
 PROBE_S = 0.1
 DEFAULT_ROWS = 16  # decode batches on the kernel: 5x the gemm at 8 rows, no worse to 128
-RETRY_S = 30.0
+RETRY_S = 60.0
 RETRY_MAX_S = 600.0
 RECHECK_S = 86400.0
 
@@ -196,7 +198,23 @@ class Watch:
 
     @classmethod
     def probe(cls, threads: int) -> str | None:
-        """The others' load over PROBE_S idle seconds: cheap, before a measurement."""
+        """The others' load now, cheaply, before a measurement: the fewest runnable tasks of
+        three looks at /proc/loadavg a few ms apart, less this thread, where this process may
+        run on every CPU (the count is the machine's); else their CPU time over PROBE_S."""
+        cpus = os.sched_getaffinity(0)
+        free = max(0, len(cpus) - max(1, threads))
+        if len(cpus) == os.cpu_count():
+            runnable = []
+            for i in range(3):
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    with open("/proc/loadavg") as f:
+                        runnable.append(int(f.read().split()[3].split("/")[0]) - 1)
+                if i < 2:
+                    time.sleep(0.002)
+            if runnable:
+                if min(runnable) > free + MAX_OTHERS:
+                    return f"{min(runnable)} other tasks runnable on {len(cpus)} CPUs"
+                return None
         watch = cls(threads)
         time.sleep(PROBE_S)
         return watch._others(time.perf_counter() - watch.start)

@@ -5,7 +5,6 @@ The store is a private file (the machine's own stays untouched)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -38,16 +37,13 @@ def store(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def first_in_line(monkeypatch):
-    """This thread at the highest priority (where allowed), the others' CPU not counted, a
-    noisy try retried at once: a measurement that stays quiet on a busy test machine."""
-    nice = os.getpriority(os.PRIO_PROCESS, 0)
-    with contextlib.suppress(PermissionError):
-        os.setpriority(os.PRIO_PROCESS, 0, -20)  # this thread's (Linux: per thread)
-    monkeypatch.setattr(calibrate, "MAX_OTHERS", 1e9)
+def gates_open(monkeypatch):
+    """Every noise check passed, a noisy try retried at once: the logic around a quiet
+    measurement, on a test machine that is seldom quiet (the checks themselves: the tests
+    under load). Real measurements still decide the values."""
+    for name in ("MAX_OTHERS", "MAX_WAIT", "AGREE"):
+        monkeypatch.setattr(calibrate, name, 1e9)
     monkeypatch.setattr(calibrate, "RETRY_S", 0.0)
-    yield
-    os.setpriority(os.PRIO_PROCESS, 0, nice)
 
 
 @pytest.fixture
@@ -105,7 +101,7 @@ def test_a_measurement_under_load_is_not_stored_and_the_process_runs_a_default(
     assert _stored(store) == {}
     value, retry_at, _ = linear_mod._thresholds.pending[(torch.float32, 1, store_isa())]
     assert value == calibrate.DEFAULT_ROWS and retry_at > time.monotonic()
-    want = "other processes used" if check == "load" else "waited for a CPU"
+    want = "other tasks runnable" if check == "load" else "waited for a CPU"
     assert want in caplog.text
 
 
@@ -114,9 +110,10 @@ def store_isa() -> str:
 
 
 @pytest.mark.parametrize("old", ["legacy int", "older than RECHECK_S"])
-def test_a_stored_wrong_threshold_is_measured_again_and_replaced(store, first_in_line, old):
+def test_a_stored_wrong_threshold_is_measured_again_and_replaced(store, gates_open, old):
     # 0: "the gemm always wins"; the kernel streams the weight once and beats it at 8 rows
-    # by several times on every CPU it runs on, so a quiet measurement says >= 8.
+    # by several times on every CPU it runs on, so a measurement says >= 8 (even a loaded one:
+    # interleaved minima).
     entry = 0 if old == "legacy int" else {"v": 0, "at": time.time() - calibrate.RECHECK_S - 5}
     store.write_text(json.dumps({_rows_key(): entry}))
     rows = _settle(linear_mod._thresholds, lambda: linear_mod.skinny_rows(torch.float32))
@@ -133,7 +130,7 @@ def test_a_recent_stored_choice_is_used_without_measuring(store):
     assert linear_mod._thresholds.final
 
 
-def test_quiet_measurements_are_stored_per_dtype_threads_and_path(store, first_in_line,
+def test_quiet_measurements_are_stored_per_dtype_threads_and_path(store, gates_open,
                                                                   monkeypatch):
     monkeypatch.setattr(calibrate, "CALIBRATION_SHAPE", (512, 256))  # cheap; the keys matter
     for dtype in (torch.float32, torch.bfloat16):
