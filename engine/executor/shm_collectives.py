@@ -13,10 +13,11 @@ on loopback, which made TP=2 slower than one 2-thread process. On CPU the ranks 
   no other user can open it.
 - each rank maps it (`make_collectives`; `ShmComm` of engine/kernels/shm_comm.cpp):
   per round a rank copies its part into its slot, publishes its round counter and waits for
-  every peer's (a short spin, then sched_yield, then 50 µs sleeps); sums run in rank order on
-  every rank, so every rank holds the bit-identical result. A peer whose process is gone, or
-  that has not arrived after `step_timeout_s`, makes the wait raise: the worker's RPC fails,
-  the worker exits, and the executor's rank-death handling fails the engine.
+  every peer's (a short spin, then asleep on a futex the peer's arrival wakes); sums run in
+  rank order on every rank, so every rank holds the bit-identical result. A peer whose
+  process is gone, or that has not arrived after `step_timeout_s`, makes the wait raise: the
+  worker's RPC fails, the worker exits, and the executor's rank-death handling fails the
+  engine.
 
 float32 and bfloat16 contiguous CPU tensors take the shared path; anything else (and CUDA,
 where nccl runs) goes to gloo, as does everything when PDSERVE_TP_COMM=gloo, when the compiled

@@ -12,9 +12,14 @@
 // after it has finished reading round c.
 //
 // The sum runs in rank order on every rank (bf16: in float32, rounded once), so every rank
-// holds the identical result. The wait spins briefly, then yields the core (two 1-thread
-// ranks on two loaded cores must not starve each other), then sleeps; it raises when a peer
-// process is gone or the deadline passes, never spins forever.
+// holds the identical result. The wait spins briefly (~tens of microseconds: the usual skew
+// between two ranks on two cores), then sleeps on a futex in the peer's line (`word`, the low
+// 32 bits of its seq) until the peer's arrival wakes it: a waiting rank takes no core from its
+// peer or anyone else (a sched_yield loop kept it runnable, and 50 us sleeps made it late).
+// An arriving rank calls FUTEX_WAKE only when its line counts a sleeper (`sleepers`; the
+// seq_cst store of `word` and load of `sleepers` against the sleeper's increment and load of
+// `word` make a lost wake-up impossible). The sleep ends every 10 ms to look at the peer: the
+// wait raises when a peer process is gone or the deadline passes, never waits forever.
 #include <torch/extension.h>
 
 #include <atomic>
@@ -24,13 +29,13 @@
 #include <cstring>
 #include <fstream>
 #include <string>
-#include <thread>
 
 #include <fcntl.h>
-#include <sched.h>
+#include <linux/futex.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #if defined(__x86_64__)
@@ -44,13 +49,40 @@ namespace {
 
 constexpr int64_t kHeaderBytes = 4096;
 constexpr int64_t kMaxWorld = 32;  // header lines: 1 + kMaxWorld lines of 64 bytes fit
-constexpr int kSpins = 2000;        // ~tens of microseconds of pause before yielding the core
-constexpr double kYieldS = 0.002;   // then sched_yield for this long, then short sleeps
-constexpr double kCheckS = 0.01;    // how often a waiting rank looks at its peers' pids
+constexpr int kSpins = 2000;        // ~tens of microseconds of pause before sleeping
+constexpr double kCheckS = 0.01;    // how often a sleeping rank looks at its peers' pids
 
 struct alignas(64) RankLine {
   std::atomic<uint64_t> seq;
   std::atomic<int64_t> pid;
+  std::atomic<uint32_t> word;      // the futex: low 32 bits of seq, stored after it
+  std::atomic<uint32_t> sleepers;  // peers asleep on `word`
+};
+static_assert(sizeof(std::atomic<uint32_t>) == 4, "a futex word is 4 bytes");
+
+// The segment is MAP_SHARED between processes: shared (not private) futex operations.
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, double timeout_s) {
+  struct timespec ts;
+  ts.tv_sec = static_cast<time_t>(timeout_s);
+  ts.tv_nsec = static_cast<long>((timeout_s - ts.tv_sec) * 1e9);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futex_wake(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr,
+          nullptr, 0);
+}
+
+// Counts this rank among a line's sleepers while it lives (also when the wait raises).
+class Sleeping {
+ public:
+  explicit Sleeping(RankLine* l) : l_(l) { l_->sleepers.fetch_add(1, std::memory_order_seq_cst); }
+  ~Sleeping() { l_->sleepers.fetch_sub(1, std::memory_order_seq_cst); }
+  Sleeping(const Sleeping&) = delete;
+  Sleeping& operator=(const Sleeping&) = delete;
+
+ private:
+  RankLine* l_;
 };
 
 using Clock = std::chrono::steady_clock;
@@ -185,7 +217,10 @@ class ShmComm {
   uint64_t arrive(const char* src, int64_t bytes) {
     const uint64_t c = ++seq_;
     if (bytes > 0) std::memcpy(slot(c, rank_), src, bytes);
-    line(rank_)->seq.store(c, std::memory_order_release);
+    RankLine* mine = line(rank_);
+    mine->seq.store(c, std::memory_order_release);
+    mine->word.store(static_cast<uint32_t>(c), std::memory_order_seq_cst);
+    if (mine->sleepers.load(std::memory_order_seq_cst) > 0) futex_wake(&mine->word);
     for (int64_t j = 0; j < world_; ++j)
       if (j != rank_) wait_for(j, c);
     return c;
@@ -199,12 +234,13 @@ class ShmComm {
     }
     const auto t0 = Clock::now();
     double next_check = kCheckS;
-    while (l->seq.load(std::memory_order_acquire) < c) {
+    Sleeping sleeping(l);
+    while (true) {
+      const uint32_t word = l->word.load(std::memory_order_seq_cst);
+      if (l->seq.load(std::memory_order_acquire) >= c) return;
+      futex_wait(&l->word, word, kCheckS);  // until the peer stores a new word, or 10 ms
+      if (l->seq.load(std::memory_order_acquire) >= c) return;
       const double waited = seconds_since(t0);
-      if (waited < kYieldS)
-        sched_yield();
-      else
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
       if (waited >= next_check) {
         next_check = waited + kCheckS;
         const int64_t pid = l->pid.load(std::memory_order_acquire);

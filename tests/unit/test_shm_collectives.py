@@ -13,6 +13,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -40,13 +41,15 @@ def _rank_main(mode: str, rank: int, path: str, out: str, arg: str) -> None:
             pass
         if rank == 1:
             signal.pause()
-        t0 = time.monotonic()
+        t0, cpu0, woke0 = time.monotonic(), time.process_time(), _woke()
         try:
             comm.all_reduce(torch.ones(1024))
             result = {"raised": None}
         except RuntimeError as e:
             result = {"raised": str(e)}
         result["waited_s"] = time.monotonic() - t0
+        result["cpu_s"] = time.process_time() - cpu0
+        result["wakes"] = _woke() - woke0
         with open(out, "w") as f:
             json.dump(result, f)
         return
@@ -73,6 +76,13 @@ def _rank_main(mode: str, rank: int, path: str, out: str, arg: str) -> None:
     with open(out, "w") as f:
         json.dump({"kind": kind, "results": results}, f)
     dist.destroy_process_group()
+
+
+def _woke() -> int:
+    """How often this thread blocked and was woken (Linux: voluntary context switches)."""
+    with open(f"/proc/self/task/{threading.get_native_id()}/status") as f:
+        return next(int(line.split()[1]) for line in f
+                    if line.startswith("voluntary_ctxt_switches:"))
 
 
 def _spawn(mode: str, rank: int, path: str, out: str, arg: str) -> subprocess.Popen:
@@ -118,7 +128,10 @@ def test_shm_all_reduce_and_all_gather_equal_gloo_bit_for_bit_on_both_ranks(segm
 @pytest.mark.parametrize("mode", ["dead", "absent"])
 def test_waiting_rank_raises_when_its_peer_is_dead_or_never_arrives(mode, segment, tmp_path):
     """dead: rank 1 is SIGKILLed while rank 0 waits (deadline 120 s): rank 0 raises within
-    seconds naming the gone peer. absent: rank 1 lives but never arrives (deadline 1 s)."""
+    seconds naming the gone peer. absent: rank 1 lives but never arrives (deadline 1 s), and
+    rank 0 sleeps on the futex meanwhile (woken by its 10 ms checks, not polling): at most
+    200 wake-ups a second and 10 % of a core, where the sched_yield and 50 us sleeps of the
+    old wait woke it ~10 000 times a second."""
     outs = [str(tmp_path / f"rank{r}.json") for r in (0, 1)]
     deadline = "120" if mode == "dead" else "1"
     procs = [_spawn(mode, r, segment, outs[r], deadline) for r in (1, 0)]
@@ -143,6 +156,8 @@ def test_waiting_rank_raises_when_its_peer_is_dead_or_never_arrives(mode, segmen
     else:
         assert "did not reach collective round 1 within 1s" in result["raised"]
         assert 1.0 <= result["waited_s"] < 10, result
+        assert result["wakes"] <= 200 * result["waited_s"], result
+        assert result["cpu_s"] <= 0.1 * result["waited_s"], result
 
 
 def test_tp2_engine_runs_on_the_shared_segment_and_leaves_no_name(tiny_model):
