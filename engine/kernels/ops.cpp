@@ -60,15 +60,21 @@ void set_isa(const std::string& name) {
 Isa current_isa() { return static_cast<Isa>(g_isa.load(std::memory_order_relaxed)); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm", &add_rms_norm, "residual add then RMSNorm, one pass (CPU, fp32)",
-        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
-  m.def("silu_mul", &silu_mul, "SwiGLU activation of a gate|up output, a new tensor (CPU, fp32 or bf16)");
-  m.def("rope_", &rope_, "rotary embedding in place on the first heads of each row (CPU, fp32)");
-  m.def("write_kv", &write_kv, "write one step's K and V at their paged-cache slots (CPU)");
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &silu_mul, "SwiGLU activation of a gate|up output, a new tensor (CPU, fp32 or bf16)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rope_", &rope_, "rotary embedding in place on the first heads of each row (CPU, fp32)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("write_kv", &write_kv, "write one step's K and V at their paged-cache slots (CPU)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention", &prefill_attention, "causal prefill attention, flash style (CPU)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("skinny_linear", &skinny_linear, "x @ w^T for a few rows of x (CPU, float32 or bf16)");
+  m.def("skinny_linear", &skinny_linear, "x @ w^T for a few rows of x (CPU, float32 or bf16)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("sgemm", &sgemm, "x @ w^T for many rows of x (CPU, float32, AVX2+FMA paths)",
         py::call_guard<py::gil_scoped_release>());
   m.def("isa_paths", &isa_paths, "instruction-set paths this build has, best first");
