@@ -3,14 +3,25 @@
 //
 // Cache view: chunks[num_chunks, block_size, num_kv_heads, head_dim], where chunk
 // (block * num_layers + layer) * 2 + kv holds one block's K (kv = 0) or V (kv = 1) of one layer
-// (see engine/worker/attention.py). `table[b, j]` is the layer-0 K chunk of sequence b's j-th
-// block; layer l's K chunk is table[b, j] + 2 * l and its V chunk the one after.
+// (see engine/runner/attention.py). `table[b, j]` is the layer-0 K chunk of sequence b's j-th
+// block; layer l's K chunk is table[b, j] + 2 * l and its V chunk the one after, so one
+// block's K and V of a layer are one contiguous range.
 //
-// Work is split over sequences with at::parallel_for; each streams its K (then V) chunks block
-// by block, every row once for all query heads, with software prefetch two blocks ahead.
-// Scores, softmax and the weighted sum run in float32 whatever the cache dtype. The dot products
-// and weighted sums run on the instruction-set path current_isa() names (isa.h, simd.h;
-// float16 caches on the scalar one).
+// One pass over the KV, flash style: each block's K and V range is read once, front to back,
+// for all query heads at once (the `group` query heads of a kv head share its rows: GQA), and
+// folded into a running softmax per head (max m, sum l, the weighted sum rescaled by
+// e^(m_old - m_new) when the max grows). The block kAhead on in the thread's run (into the
+// next sequence at a sequence's end) is prefetched a few lines per step of the current one, so the memory streams at the rate the work consumes it: the hardware prefetcher
+// does not cross the 4 KiB pages of the cache's 16 KiB chunks, and a burst of prefetches
+// stalls on the core's miss buffers.
+//
+// Work items are runs of at most kPartPositions context positions of one sequence: a longer
+// context is cut into several (computed apart, then combined), so one long sequence (batch 1)
+// still spreads over the threads. The cut depends only on the sequence's length, never on the
+// batch or the thread count, and so does its result. The items are cut into one contiguous run
+// per thread of about equal work (positions read). Scores, softmax and the weighted sum run in
+// float32 whatever the cache dtype (bf16 rows widened in registers); the products run on the
+// instruction-set path current_isa() names (isa.h, simd.h; float16 caches on the scalar one).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -19,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -26,6 +38,9 @@
 namespace {
 
 using namespace simd;
+
+constexpr int64_t kPartPositions = 512;  // context positions per work item at most
+constexpr int64_t kAhead = 2;            // blocks prefetched ahead of the one in work
 
 // <q, k> over dim values, vector-wide on path P (simd.h), the remainder one by one.
 template <typename P, typename T>
@@ -53,177 +68,200 @@ inline typename P::V dots(const float* q, const T* k, int64_t ld, int64_t dim) {
   return P::hsums(acc);
 }
 
-// Asks for the `bytes` at p to be brought into cache ahead of use: a block's K (or V) chunk is
-// 16 KiB at most 4 KiB pages long, too short for the hardware prefetcher to ramp up, so the
-// chunk kAhead blocks on is requested while this one is computed on. Only the first kAhead
-// chunks are asked for in one burst (nothing else to do then): a burst of a whole chunk's
-// lines fills the core's miss buffers and the prefetch instructions wait for them in turn
-// (a third of paged_decode's time on a Zen 3 EPYC with AVX2, `perf annotate`), so later
-// chunks are asked for a few lines at a time between the dot products (prefetch_lines).
-inline void prefetch(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
-}
+// Prefetches a range a few lines per step(): start() spreads its lines evenly over `steps`
+// steps, finish() asks for whatever is left.
+class Ahead {
+ public:
+  void start(const void* p, int64_t bytes, int64_t steps) {
+    p_ = static_cast<const char*>(p);
+    end_ = p == nullptr ? p_ : p_ + bytes;
+    const int64_t lines = (bytes + 63) / 64;
+    per_ = 64 * ((lines + steps - 1) / std::max<int64_t>(steps, 1));
+  }
+  void step() {
+    const char* stop = std::min(p_ + per_, end_);
+    for (; p_ < stop; p_ += 64) __builtin_prefetch(p_, 0, 3);
+  }
+  void finish() {
+    for (; p_ < end_; p_ += 64) __builtin_prefetch(p_, 0, 3);
+  }
 
-// The lines first, first + step, ... of the `bytes` at p (null p: none): a pass that reads
-// one head's row asks for its share of the same row in the chunk ahead.
-inline void prefetch_lines(const void* p, int64_t bytes, int64_t first, int64_t step) {
-  if (p == nullptr) return;
-  const char* c = static_cast<const char*>(p);
-  for (int64_t i = first * 64; i < bytes; i += step * 64) __builtin_prefetch(c + i, 0, 3);
-}
+ private:
+  const char* p_ = nullptr;
+  const char* end_ = nullptr;
+  int64_t per_ = 0;
+};
 
-constexpr int64_t kAhead = 2;  // blocks prefetched ahead
+// One work item: blocks [j0, j1) of sequence b.
+struct Item {
+  int64_t b, j0, j1;
+};
 
-// s[t] = exp(s[t] - max s) over n scores, kStep lanes at a time (the scalar exp_nonpos on the
-// tail; the same polynomial): the compiler left the scalar loop unvectorized.
-template <typename P>
-inline void softmax_unnormalized(float* s, int64_t n) {
-  auto mv = P::set1(-std::numeric_limits<float>::infinity());
-  int64_t t = 0;
-  for (; t + P::kStep <= n; t += P::kStep) mv = P::max(mv, P::loadf(s + t));
-  float m = P::hmax(mv);
-  for (; t < n; ++t) m = std::max(m, s[t]);
-  const auto mb = P::set1(m);
-  for (t = 0; t + P::kStep <= n; t += P::kStep) P::storef(s + t, P::exp(P::sub(P::loadf(s + t), mb)));
-  for (; t < n; ++t) s[t] = exp_nonpos(s[t] - m);
-}
-
-// The sum of n floats, kStep lanes at a time.
-template <typename P>
-inline float sum(const float* s, int64_t n) {
-  auto acc = P::zero();
-  int64_t t = 0;
-  for (; t + P::kStep <= n; t += P::kStep) acc = P::add(acc, P::loadf(s + t));
-  float total = P::hsum(acc);
-  for (; t < n; ++t) total += s[t];
-  return total;
-}
-
-// o[h, :] = sum_t p[h, t] * v_t (h's kv head) over the n positions: block by block, for each
-// (kv head, query head, C vectors of head_dim) the running sums held in registers for the
-// block's rows, `acc` ([heads, dim]) between blocks.
+// A thread's run of items over one layer. State per item: the running max m and sum l of each
+// query head and its weighted sum acc ([heads, dim]).
 template <typename P, typename T>
-void weighted_sums(const float* scores, const T* chunks, const int64_t* blocks, int64_t vchunk,
-                   int64_t n, int64_t bs, int64_t kv_heads, int64_t group, int64_t dim,
-                   float* acc) {
-  constexpr int C = 4;
-  const int64_t row_elems = kv_heads * dim, chunk_elems = bs * row_elems;
-  std::fill(acc, acc + kv_heads * group * dim, 0.f);
-  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));  // one head's row
-  const int64_t passes = group * ((dim + C * P::kStep - 1) / (C * P::kStep));  // per kv head
-  for (int64_t t0 = 0, j = 0; t0 < n; t0 += bs, ++j) {
-    const T* ahead = t0 + kAhead * bs < n ? chunks + (blocks[j + kAhead] + vchunk) * chunk_elems
-                                          : nullptr;
-    const T* vc = chunks + (blocks[j] + vchunk) * chunk_elems;
-    const int64_t len = std::min(bs, n - t0);
-    for (int64_t kh = 0, h = 0; kh < kv_heads; ++kh)
-      for (int64_t g = 0, pass = 0; g < group; ++g, ++h) {
-        const float* p = scores + h * n + t0;
-        float* o = acc + h * dim;
-        const T* v = vc + kh * dim;
-        const T* va = ahead == nullptr ? nullptr : ahead + kh * dim;
+class Decoder {
+ public:
+  Decoder(const T* chunks, const int64_t* table, int64_t max_blocks, int64_t layer, int64_t bs,
+          int64_t kv_heads, int64_t group, int64_t dim, float scale)
+      : chunks_(chunks), table_(table), max_blocks_(max_blocks), layer_(layer), bs_(bs),
+        kv_heads_(kv_heads), group_(group), dim_(dim), heads_(kv_heads * group),
+        row_(kv_heads * dim), chunk_(bs * kv_heads * dim), scale_(scale),
+        steps_(((bs + P::kStep - 1) / P::kStep + 1) * heads_), s_(heads_ * bs), m_(heads_),
+        l_(heads_), acc_(heads_ * dim) {}
+
+  // Items [begin, end) of `items`; item i's normalized output goes to outs[i] ([heads, dim],
+  // row stride ld) and, where ml is given, its m and l to ml[i * 2 * heads ...].
+  void run(const Item* items, int64_t begin, int64_t end, const float* const* qs,
+           float* const* outs, int64_t ld, float* ml) {
+    if (begin >= end) return;
+    // The next block to prefetch, in run order (null past the run's end).
+    int64_t ai = begin, aj = items[begin].j0;
+    auto next_ahead = [&]() -> const T* {
+      if (ai >= end) return nullptr;
+      const T* p = kchunk(items[ai].b, aj);
+      if (++aj == items[ai].j1 && ++ai < end) aj = items[ai].j0;
+      return p;
+    };
+    const int64_t bytes = 2 * chunk_ * static_cast<int64_t>(sizeof(T));  // a block's K and V
+    for (int64_t k = 0; k < kAhead; ++k) {  // the run's first blocks: nothing to hide behind
+      Ahead first;
+      first.start(next_ahead(), bytes, 1);
+      first.finish();
+    }
+    for (int64_t it = begin; it < end; ++it) {
+      const Item& item = items[it];
+      const int64_t n = std::min(item.j1 * bs_, ctx_len_of(item));
+      std::fill(m_.begin(), m_.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l_.begin(), l_.end(), 0.f);
+      std::fill(acc_.begin(), acc_.end(), 0.f);
+      for (int64_t j = item.j0; j < item.j1; ++j) {
+        Ahead ahead;
+        ahead.start(next_ahead(), bytes, steps_);
+        block(qs[it], kchunk(item.b, j), std::min(bs_, n - j * bs_), ahead);
+        ahead.finish();
+      }
+      float* o = outs[it];
+      for (int64_t h = 0; h < heads_; ++h) {
+        const float inv = 1.f / l_[h];
+        for (int64_t d = 0; d < dim_; ++d) o[h * ld + d] = acc_[h * dim_ + d] * inv;
+        if (ml != nullptr) {
+          ml[it * 2 * heads_ + h] = m_[h];
+          ml[it * 2 * heads_ + heads_ + h] = l_[h];
+        }
+      }
+    }
+  }
+
+  void set_ctx_lens(const int64_t* ctx_lens) { ctx_lens_ = ctx_lens; }
+
+ private:
+  int64_t ctx_len_of(const Item& item) const { return ctx_lens_[item.b]; }
+
+  const T* kchunk(int64_t b, int64_t j) const {
+    return chunks_ + (table_[b * max_blocks_ + j] + 2 * layer_) * chunk_;
+  }
+
+  // Folds one block's len rows (K chunk k, its V chunk right after) into m, l and acc.
+  void block(const float* q, const T* k, int64_t len, Ahead& ahead) {
+    const T* v = k + chunk_;
+    float* s = s_.data();
+    const bool wide = dim_ % P::kStep == 0;
+    const auto sv = P::set1(scale_);
+    // Scores s[h, i] = scale * <q_h, k_i of h's kv head>, kStep rows at a time.
+    for (int64_t i0 = 0; i0 < len; i0 += P::kStep)
+      for (int64_t kh = 0, h = 0; kh < kv_heads_; ++kh)
+        for (int64_t g = 0; g < group_; ++g, ++h) {
+          const float* qh = q + h * dim_;
+          const T* kr = k + i0 * row_ + kh * dim_;
+          float* sh = s + h * bs_;
+          if (wide && i0 + P::kStep <= len)
+            P::storef(sh + i0, P::mul(sv, dots<P>(qh, kr, row_, dim_)));
+          else
+            for (int64_t i = i0; i < std::min(len, i0 + P::kStep); ++i)
+              sh[i] = dot<P>(qh, kr + (i - i0) * row_, dim_) * scale_;
+          ahead.step();
+        }
+    // Running softmax: s[h, :] becomes e^(s - m_new); acc and l are rescaled when m grows.
+    for (int64_t h = 0; h < heads_; ++h) {
+      float* sh = s + h * bs_;
+      auto mv = P::set1(-std::numeric_limits<float>::infinity());
+      int64_t i = 0;
+      for (; i + P::kStep <= len; i += P::kStep) mv = P::max(mv, P::loadf(sh + i));
+      float mb = P::hmax(mv);
+      for (; i < len; ++i) mb = std::max(mb, sh[i]);
+      const float m = std::max(m_[h], mb);
+      const auto mvb = P::set1(m);
+      auto sum = P::zero();
+      for (i = 0; i + P::kStep <= len; i += P::kStep) {
+        const auto e = P::exp(P::sub(P::loadf(sh + i), mvb));
+        P::storef(sh + i, e);
+        sum = P::add(sum, e);
+      }
+      float total = P::hsum(sum);
+      for (; i < len; ++i) total += (sh[i] = exp_nonpos(sh[i] - m));
+      if (m > m_[h]) {
+        const float alpha = l_[h] == 0.f ? 0.f : exp_nonpos(m_[h] - m);
+        l_[h] *= alpha;
+        float* o = acc_.data() + h * dim_;
+        for (int64_t d = 0; d < dim_; ++d) o[d] *= alpha;
+        m_[h] = m;
+      }
+      l_[h] += total;
+    }
+    // acc[h, :] += sum_i s[h, i] * v_i of h's kv head: C vectors of head_dim in registers.
+    constexpr int C = 4;
+    for (int64_t kh = 0, h = 0; kh < kv_heads_; ++kh)
+      for (int64_t g = 0; g < group_; ++g, ++h) {
+        const float* p = s + h * bs_;
+        float* o = acc_.data() + h * dim_;
+        const T* vh = v + kh * dim_;
         int64_t d = 0;
-        for (; d + C * P::kStep <= dim; d += C * P::kStep, ++pass) {
+        for (; d + C * P::kStep <= dim_; d += C * P::kStep) {
           typename P::V a[C];
           for (int c = 0; c < C; ++c) a[c] = P::loadf(o + d + c * P::kStep);
           for (int64_t i = 0; i < len; ++i) {
-            // this pass's lines of row i of the chunk ahead (each line once over the passes)
-            if (va != nullptr) prefetch_lines(va + i * row_elems, row_bytes, pass, passes);
             const auto pv = P::set1(p[i]);
             for (int c = 0; c < C; ++c)
-              a[c] = P::template madd<T>(a[c], pv, P::load(v + i * row_elems + d + c * P::kStep));
+              a[c] = P::template madd<T>(a[c], pv, P::load(vh + i * row_ + d + c * P::kStep));
           }
           for (int c = 0; c < C; ++c) P::storef(o + d + c * P::kStep, a[c]);
         }
-        for (; d < dim; ++d)
-          for (int64_t i = 0; i < len; ++i) o[d] += p[i] * static_cast<float>(v[i * row_elems + d]);
-        if (g == group - 1 && va != nullptr)  // the lines no vector pass asked for
-          for (int64_t rest = pass; rest < passes; ++rest)
-            for (int64_t i = 0; i < bs; ++i)
-              prefetch_lines(va + i * row_elems, row_bytes, rest, passes);
+        for (; d + P::kStep <= dim_; d += P::kStep) {
+          auto a = P::loadf(o + d);
+          for (int64_t i = 0; i < len; ++i)
+            a = P::template madd<T>(a, P::set1(p[i]), P::load(vh + i * row_ + d));
+          P::storef(o + d, a);
+        }
+        for (; d < dim_; ++d)
+          for (int64_t i = 0; i < len; ++i) o[d] += p[i] * static_cast<float>(vh[i * row_ + d]);
+        ahead.step();
       }
   }
-}
 
-// Sequences [begin, end): each reads its blocks' K (then V) chunks front to back, every row
-// whole (all kv heads), so the memory is streamed; `heads` query heads, `group` per kv head.
-// Scores go kStep positions at a time (dots) where head_dim is a multiple of kStep.
-template <typename P, typename T>
-void decode_seqs(float* out, const float* q, const T* chunks, const int64_t* table,
-                 const int64_t* rows, const int64_t* ctx_lens, int64_t begin, int64_t end,
-                 int64_t max_blocks, int64_t layer, int64_t bs, int64_t kv_heads,
-                 int64_t group, int64_t dim, float scale) {
-  const int64_t heads = kv_heads * group;
-  const int64_t row_elems = kv_heads * dim;  // one position's K (or V) in a chunk
-  const int64_t chunk_elems = bs * row_elems;
-  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));  // one head's row
-  const bool wide = dim % P::kStep == 0;
-  const auto sv = P::set1(scale);
-  std::vector<float> scores;  // [heads, n]
-  std::vector<float> acc(heads * dim);
-  for (int64_t b = begin; b < end; ++b) {
-    const int64_t n = ctx_lens[b];
-    const int64_t* blocks = table + b * max_blocks;
-    const float* qb = q + rows[b] * heads * dim;
-    scores.resize(heads * n);
-    for (int64_t j = 0; j < kAhead && j * bs < n; ++j)
-      prefetch(chunks + (blocks[j] + 2 * layer) * chunk_elems, chunk_elems * sizeof(T));
-    // Scores: s[h, t] = scale * <q_h, k_t of h's kv head>.
-    for (int64_t t0 = 0, j = 0; t0 < n; t0 += bs, ++j) {
-      const T* ahead = t0 + kAhead * bs < n
-                           ? chunks + (blocks[j + kAhead] + 2 * layer) * chunk_elems : nullptr;
-      const T* kc = chunks + (blocks[j] + 2 * layer) * chunk_elems;
-      const int64_t len = std::min(bs, n - t0);
-      for (int64_t kh = 0, h = 0; kh < kv_heads; ++kh)
-        for (int64_t g = 0; g < group; ++g, ++h) {
-          const float* qh = qb + h * dim;
-          float* sh = scores.data() + h * n + t0;
-          const T* k = kc + kh * dim;
-          // query head g of the group asks for lines g, g + group, ... of each row of its kv
-          // head in the chunk ahead; the last one for every row, also those past len
-          const T* ka = ahead == nullptr ? nullptr : ahead + kh * dim;
-          int64_t i = 0;
-          if (wide)
-            for (; i + P::kStep <= len; i += P::kStep) {
-              for (int r = 0; r < P::kStep && ka != nullptr; ++r)
-                prefetch_lines(ka + (i + r) * row_elems, row_bytes, g, group);
-              P::storef(sh + i, P::template madd<float>(
-                                    P::zero(), sv, dots<P>(qh, k + i * row_elems, row_elems, dim)));
-            }
-          for (int64_t r = i; r < bs && ka != nullptr; ++r)
-            prefetch_lines(ka + r * row_elems, row_bytes, g, group);
-          for (; i < len; ++i) sh[i] = dot<P>(qh, k + i * row_elems, dim) * scale;
-        }
-    }
-    // The V chunks of the first blocks are asked for while the softmax runs.
-    for (int64_t j = 0; j < kAhead && j * bs < n; ++j)
-      prefetch(chunks + (blocks[j] + 2 * layer + 1) * chunk_elems, chunk_elems * sizeof(T));
-    for (int64_t h = 0; h < heads; ++h) softmax_unnormalized<P>(scores.data() + h * n, n);
-    weighted_sums<P, T>(scores.data(), chunks, blocks, 2 * layer + 1, n, bs, kv_heads, group,
-                        dim, acc.data());
-    float* o = out + rows[b] * heads * dim;
-    for (int64_t h = 0; h < heads; ++h) {
-      const float inv = 1.f / sum<P>(scores.data() + h * n, n);
-      for (int64_t d = 0; d < dim; ++d) o[h * dim + d] = acc[h * dim + d] * inv;
-    }
-  }
-}
+  const T* chunks_;
+  const int64_t* table_;
+  const int64_t* ctx_lens_ = nullptr;
+  int64_t max_blocks_, layer_, bs_, kv_heads_, group_, dim_, heads_, row_, chunk_;
+  float scale_;
+  int64_t steps_;  // ahead.step() calls per block
+  std::vector<float> s_, m_, l_, acc_;
+};
 
-// decode_seqs on the best path current_isa() allows for T (float32 and bf16 caches have vector
-// paths; other dtypes the scalar one).
-template <typename T, typename... A>
-void decode_on_path(A... args) {
+// Decoder<P, T>::run on the best path current_isa() allows for T (float32 and bf16 caches
+// have vector paths; other dtypes the scalar one).
+template <typename T, typename Run>
+void on_path(Run&& run) {
   constexpr bool wide = std::is_same_v<T, float> || std::is_same_v<T, bf16>;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if constexpr (wide)
-    if (current_isa() >= Isa::kAvx512) return decode_seqs<Avx512, T>(args...);
+    if (current_isa() >= Isa::kAvx512) return run(Avx512{});
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (wide)
-    if (current_isa() >= Isa::kAvx2) return decode_seqs<Avx2, T>(args...);
+    if (current_isa() >= Isa::kAvx2) return run(Avx2{});
 #endif
-  decode_seqs<Scalar, T>(args...);
+  run(Scalar{});
 }
 
 }  // namespace
@@ -247,19 +285,96 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor chunks, torc
   TORCH_CHECK(q.size(2) == dim && heads % kv_heads == 0, "paged_decode: head shapes differ");
   TORCH_CHECK(rows.size(0) == batch && ctx_lens.size(0) == batch, "paged_decode: batch sizes");
   const int64_t group = heads / kv_heads, max_blocks = table.size(1);
+  const int64_t* tb = table.data_ptr<int64_t>();
+  const int64_t* rw = rows.data_ptr<int64_t>();
+  const int64_t* cl = ctx_lens.data_ptr<int64_t>();
+  // Items: each sequence's blocks in runs of at most part_blocks; one longer than that writes
+  // its runs' outputs (and m, l) to `parts`, combined below.
+  const int64_t part_blocks = std::max<int64_t>(1, kPartPositions / bs);
+  std::vector<Item> items;
+  std::vector<int64_t> first_item(batch + 1);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(cl[b] >= 1 && cl[b] <= max_blocks * bs, "paged_decode: bad context length");
+    TORCH_CHECK(rw[b] >= 0 && rw[b] < q.size(0) && out.size(0) == q.size(0),
+                "paged_decode: row out of range");
+    first_item[b] = static_cast<int64_t>(items.size());
+    const int64_t nb = (cl[b] + bs - 1) / bs;
+    for (int64_t j = 0; j < nb; ++j)  // a bad table would read outside the cache
+      TORCH_CHECK(tb[b * max_blocks + j] >= 0 &&
+                      tb[b * max_blocks + j] + 2 * layer + 1 < chunks.size(0),
+                  "paged_decode: block table entry out of range");
+    for (int64_t j = 0; j < nb; j += part_blocks)
+      items.push_back({b, j, std::min(nb, j + part_blocks)});
+  }
+  first_item[batch] = static_cast<int64_t>(items.size());
+  const int64_t count = first_item[batch];
+  const int64_t hd = heads * dim;
+  std::vector<float> parts, ml;
+  std::vector<const float*> qs(count);
+  std::vector<float*> outs(count);
+  float* o = out.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  bool split = false;
+  for (int64_t b = 0; b < batch; ++b) split |= first_item[b + 1] - first_item[b] > 1;
+  if (split) {
+    parts.resize(count * hd);
+    ml.resize(count * 2 * heads);
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t b = items[i].b;
+    qs[i] = qp + rw[b] * hd;
+    const bool alone = first_item[b + 1] - first_item[b] == 1;
+    outs[i] = alone ? o + rw[b] * hd : parts.data() + i * hd;
+  }
+  // One contiguous run of items per thread, of about equal work (blocks read).
+  const int64_t runs = std::min<int64_t>(at::get_num_threads(), count);
+  std::vector<int64_t> cut(runs + 1, count);
+  {
+    std::vector<int64_t> done(count + 1, 0);
+    for (int64_t i = 0; i < count; ++i) done[i + 1] = done[i] + items[i].j1 - items[i].j0;
+    cut[0] = 0;
+    for (int64_t k = 1, i = 0; k < runs; ++k) {
+      while (i < count && done[i] * runs < done[count] * k) ++i;
+      cut[k] = i;
+    }
+  }
   const float s = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, chunks.scalar_type(), "paged_decode",
                                   [&] {
     const scalar_t* c = chunks.data_ptr<scalar_t>();
-    float* o = out.data_ptr<float>();
-    const float* qp = q.data_ptr<float>();
-    const int64_t* tb = table.data_ptr<int64_t>();
-    const int64_t* rw = rows.data_ptr<int64_t>();
-    const int64_t* cl = ctx_lens.data_ptr<int64_t>();
-    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-      decode_on_path<scalar_t>(o, qp, c, tb, rw, cl, begin, end, max_blocks, layer, bs,
-                               kv_heads, group, dim, s);
+    at::parallel_for(0, runs, 1, [&](int64_t rb, int64_t re) {
+      on_path<scalar_t>([&](auto path) {
+        using P = decltype(path);
+        Decoder<P, scalar_t> dec(c, tb, max_blocks, layer, bs, kv_heads, group, dim, s);
+        dec.set_ctx_lens(cl);
+        dec.run(items.data(), cut[rb], cut[re], qs.data(), outs.data(), dim,
+                split ? ml.data() : nullptr);
+      });
     });
+  });
+  if (!split) return;
+  // Sequences cut into several items: out = sum_i e^(m_i - m) acc_i / sum_i e^(m_i - m) l_i,
+  // items in order (acc_i: item i's normalized output times l_i).
+  at::parallel_for(0, batch, 1, [&](int64_t bb, int64_t be) {
+    for (int64_t b = bb; b < be; ++b) {
+      const int64_t i0 = first_item[b], i1 = first_item[b + 1];
+      if (i1 - i0 == 1) continue;
+      float* ob = o + rw[b] * hd;
+      for (int64_t h = 0; h < heads; ++h) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t i = i0; i < i1; ++i) m = std::max(m, ml[i * 2 * heads + h]);
+        float total = 0.f;
+        for (int64_t d = 0; d < dim; ++d) ob[h * dim + d] = 0.f;
+        for (int64_t i = i0; i < i1; ++i) {
+          const float w = exp_nonpos(ml[i * 2 * heads + h] - m) * ml[i * 2 * heads + heads + h];
+          total += w;
+          const float* pi = parts.data() + i * hd + h * dim;
+          for (int64_t d = 0; d < dim; ++d) ob[h * dim + d] += w * pi[d];
+        }
+        const float inv = 1.f / total;
+        for (int64_t d = 0; d < dim; ++d) ob[h * dim + d] *= inv;
+      }
+    }
   });
 }
 

@@ -19,6 +19,10 @@ V*hidden)) at the fp32 FMA peak (bf16: the bf16 dot peak where there is one) or 
 weights' read, whichever is longer, plus the KV's
 read: at B = 32 the matmuls' FLOPs alone can outlast the whole step's bytes on a CPU with a
 low FMA peak (2 cores with AVX2).
+And the attention kernel's own bound (`attention_alone`): the compiled paged_decode alone, every
+layer once, over a KV cache of the model's shape holding B sequences of C tokens on their own
+blocks (huge pages, as the engine allocates it), against a streaming read of the same number of
+bytes timed beside it (best of --repeats each, alternating): `kv_gbps` and `read_fraction`.
 """
 
 from __future__ import annotations
@@ -133,7 +137,52 @@ def batch_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> dict
                                 "profile_step_s": total / n}
     finally:
         client.shutdown()
+    for size in sizes:
+        for t in threads:
+            out[size][t]["attention_alone"] = attention_alone(args, dtype, size, t)
     return out
+
+
+def attention_alone(args: argparse.Namespace, dtype: str, batch: int, threads: int
+                    ) -> dict[str, float] | None:
+    """The paged decode kernel alone at batch B x --batch-context against a streaming read of
+    the same bytes (module docstring); None without the compiled kernels."""
+    import torch
+
+    from engine.kernels import paged_attention
+    from engine.models import load_arch
+    from engine.runner.huge_pages import alloc_kv_cache
+
+    k = paged_attention()
+    if k is None:
+        return None
+    a, bs, c = load_arch(args.model), 16, args.batch_context
+    blocks = -(-c // bs)
+    gen = torch.Generator().manual_seed(batch)
+    cache = alloc_kv_cache((batch * blocks, a.num_layers, 2, bs, a.num_kv_heads, a.head_dim),
+                           getattr(torch, dtype))
+    cache.copy_(torch.randn(cache.shape, generator=gen))
+    view = cache.view(-1, bs, a.num_kv_heads, a.head_dim)
+    table = torch.arange(batch * blocks).view(batch, blocks) * 2 * a.num_layers
+    rows, ctx = torch.arange(batch), torch.full((batch,), c)
+    q = torch.randn(batch, a.num_heads, a.head_dim, generator=gen)
+    out = torch.empty_like(q)
+    nbytes = cache.numel() * cache.element_size()
+    buf = torch.ones(nbytes // 4)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    kern = read = float("inf")
+    try:
+        for _ in range(args.repeats + 1):  # the first of each warms
+            start = time.perf_counter()
+            for layer in range(a.num_layers):
+                k.paged_decode(out, q, view, table, rows, ctx, layer, a.head_dim ** -0.5)
+            kern = min(kern, time.perf_counter() - start)
+            read = min(read, k.read_seconds(buf, threads))
+    finally:
+        torch.set_num_threads(old)
+    return {"ms": round(kern * 1e3, 3), "kv_gbps": round(nbytes / kern / 1e9, 2),
+            "read_gbps": round(nbytes / read / 1e9, 2), "read_fraction": round(read / kern, 3)}
 
 
 def batch_table(args: argparse.Namespace, dtype: str, runs: dict[int, dict],
@@ -169,6 +218,7 @@ def batch_table(args: argparse.Namespace, dtype: str, runs: dict[int, dict],
                     "attention_ms": round(r["attention_s"] * 1e3, 3),
                     "attention_kv_gbps": round(kv_bytes / r["attention_s"] / 1e9, 2),
                     "other_ms": round(other * 1e3, 3)},
+                "attention_alone": r.get("attention_alone"),
             }
     return table
 
@@ -184,3 +234,9 @@ def print_table(dtype: str, table: dict[int, dict], limits: dict[str, Any]) -> N
                   f"matmul {b['matmul_ms']:.2f} ms, attention {b['attention_ms']:.2f} ms at "
                   f"{b['attention_kv_gbps']:.1f} GB/s, other {b['other_ms']:.2f} ms)",
                   flush=True)
+            alone = r.get("attention_alone")
+            if alone:
+                print(f"{dtype:8s} {t} thr  attention kernel alone batch {size:3d}: "
+                      f"{alone['ms']:.2f} ms a step, KV at {alone['kv_gbps']:.2f} GB/s = "
+                      f"{alone['read_fraction']:.2f} of a streaming read of the same bytes "
+                      f"({alone['read_gbps']:.2f} GB/s)", flush=True)

@@ -166,3 +166,53 @@ def test_prefill_split_over_threads_changes_nothing(kernel_isa, heads, kv):
     s = s.masked_fill(torch.ones(tokens, tokens, dtype=torch.bool).triu(1), float("-inf"))
     want = torch.einsum("hts,shd->thd", s.softmax(-1), v.double().repeat_interleave(g, 1))
     torch.testing.assert_close(outs[0].double(), want, atol=1e-5, rtol=1e-5)
+
+
+@DTYPES
+def test_long_decodes_cut_into_parts_match_dense_reference(kernel_isa, dtype):
+    """Decode contexts over 512 positions are cut into items of 512 (whole blocks), computed
+    apart and combined; at and around the cut, and one of three items, beside short ones."""
+    _check(kernel_isa, dtype, [(1, 1100), (1, 513), (1, 512), (3, 20), (1, 1)], seeds=1)
+
+
+def test_decode_gives_the_same_bits_alone_in_a_batch_and_on_any_threads(kernel_isa):
+    """A sequence's items depend only on its length, so its output does too: decoded alone or
+    beside others, on 1, 2 or 3 threads (the runs cut elsewhere), the same bits."""
+    cache, q, _, _, spans = _case(7, [(1, 1100), (1, 40), (1, 600), (1, 513)], torch.float32)
+    meta = AttentionMetadata(spans, BS, LAYERS, torch.device("cpu"), kernel=True)
+    t, view = meta.decode_table, cache.view(-1, BS, KV, DIM)
+
+    def decode(idx: list[int], threads: int) -> torch.Tensor:
+        out = torch.full(q.shape, float("nan"))
+        torch.set_num_threads(threads)
+        kernel_isa.paged_decode(out, q, view, t.chunks[idx], t.rows[idx], t.ctx[idx], 1,
+                                DIM ** -0.5)
+        return out
+
+    threads = torch.get_num_threads()
+    try:
+        together = [decode([0, 1, 2, 3], n) for n in (1, 2, 3)]
+        alone = [decode([i], 1)[i] for i in range(4)]
+    finally:
+        torch.set_num_threads(threads)
+    assert not together[0].isnan().any()
+    for out in together[1:]:
+        assert torch.equal(out, together[0])
+    for i, row in enumerate(alone):
+        assert torch.equal(row, together[0][i])
+
+
+@pytest.mark.parametrize(("entry", "ctx", "what"), [
+    (-1, 5, "block table entry out of range"),  # the cache's last chunk: its V lies past it
+    (-2 * LAYERS, 5, "block table entry out of range"),
+    (0, BS + 1, "bad context length"),  # one block in the table, a context of two
+], ids=["past-end", "negative", "context-past-table"])
+def test_decode_rejects_a_table_that_reads_outside_the_cache(kernel_isa, entry, ctx, what):
+    """A block table entry or context length that would read outside the cache (or the table)
+    is an error naming it, not a read of other memory."""
+    view = torch.zeros(4, LAYERS, 2, BS, KV, DIM).view(-1, BS, KV, DIM)
+    entry = entry % view.shape[0] if entry == -1 else entry
+    q = torch.zeros(1, HEADS, DIM)
+    with pytest.raises(RuntimeError, match=what):
+        kernel_isa.paged_decode(torch.empty_like(q), q, view, torch.tensor([[entry]]),
+                                torch.tensor([0]), torch.tensor([ctx]), 0, 1.0)
