@@ -145,13 +145,19 @@ def _run_hf(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, 
 
 
 def _compare_tp(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
-    """TP=1 and TP=N alternating (1, N, 1, N); the best run of each (the machine is noisy)."""
+    """TP=1 and TP=N alternating (1, N, 1, N); the best run of each (the machine is noisy),
+    and each adjacent pair's ratio with the load before each run (a shared machine's load
+    moves between runs: a pair's ratio is the one measured side by side)."""
     import torch
+
+    from pdserve.bench.machine import cpu_info
 
     n = args.compare_tp
     load = os.getloadavg()[0]
     runs: dict[int, list[float]] = {1: [], n: []}
+    loads: list[float] = []
     for tp in (1, n, 1, n):
+        loads.append(round(os.getloadavg()[0], 2))
         runs[tp].append(_run_ours(args, prompts, tp)[0])
     one, many = max(runs[1]), max(runs[n])
     threads = torch.get_num_threads()
@@ -159,7 +165,9 @@ def _compare_tp(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
             "tp_ratio": round(many / one, 3), "tp1_threads": threads,
             "threads_per_rank": max(1, threads // n),
             "runs_tokens_per_s": {f"tp{k}": [round(v, 1) for v in vs] for k, vs in runs.items()},
-            "load_average_before": round(load, 2)}
+            "pair_ratios": [round(b / a, 3) for a, b in zip(runs[1], runs[n], strict=True)],
+            "load_average_before": round(load, 2), "load_average_per_run": loads,
+            "load_average_after": round(os.getloadavg()[0], 2), "cpu": cpu_info()}
 
 
 def main(args: argparse.Namespace) -> int:

@@ -34,6 +34,11 @@ def test_bench_offline_compare_tp_reports_both_sizes_and_their_ratio(tiny_model,
     assert len(r["runs_tokens_per_s"]["tp1"]) == len(r["runs_tokens_per_s"]["tp2"]) == 2
     assert r["tp2_tokens_per_s"] == max(r["runs_tokens_per_s"]["tp2"]) > 0
     assert abs(r["tp_ratio"] - r["tp2_tokens_per_s"] / r["tp1_tokens_per_s"]) < 0.01
+    # side-by-side pairs, the load each run started under, and the CPU (a noisy machine)
+    runs = r["runs_tokens_per_s"]
+    pairs = zip(r["pair_ratios"], runs["tp1"], runs["tp2"], strict=True)
+    assert all(abs(ratio - b / a) < 0.01 * ratio for ratio, a, b in pairs), r
+    assert len(r["load_average_per_run"]) == 4 and r["cpu"]["model_name"]
 
 
 def test_bench_broadcast_times_the_shm_ring_against_zeromq(tmp_path):
