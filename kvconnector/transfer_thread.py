@@ -47,9 +47,12 @@ POLL_INTERVAL_S = 0.001
 _IDLE_TICK_S = 1.0  # upper bound on a sleep, so a lost wake costs at most this
 _PRUNE_EVERY_S = 1.0
 # D waiting for a WRITE polls this slowly until P's poke (kvconnector/poke.py) says one was
-# posted, then every POLL_INTERVAL_S for FAST_AFTER_POKE_S. P pokes for every notification it
-# sends D (the WRITE's completion, PUSH_FAIL, PUSH_CANCEL_ACK), so the slow poll only bounds a
-# lost poke and carries the heartbeats: at 20 ms it cost ~1 % of a core with legs waiting.
+# posted, then every POLL_INTERVAL_S until as many notifications as pokes have arrived, for
+# FAST_AFTER_POKE_S at most. P pokes for every notification it sends D (the WRITE's
+# completion, PUSH_FAIL, PUSH_CANCEL_ACK), so the slow poll only bounds a lost poke and carries
+# the heartbeats: at 20 ms it cost ~1 % of a core with legs waiting. (Polling fast for the
+# whole second after every poke kept a loaded D polling every millisecond throughout: 0.6-1.0
+# s of D's CPU in issue 33's 400-request run.)
 WAIT_POLL_S = 0.25
 FAST_AFTER_POKE_S = 1.0
 # after a pass that took scheduler work (D's PUSH_REGs go out): poll fast this long, so a
@@ -109,7 +112,10 @@ class TransferThread:
         self._last_listen = clock()  # when this side last drained its notifications
         self._next_prune = clock() + _PRUNE_EVERY_S
         self._next_full = clock()  # a timer tick before this may be a light one
-        self._fast_until = 0.0  # poll fast until then (a poke arrived)
+        self._fast_until = 0.0  # poll fast until then (a poke arrived) ...
+        self._awaited = 0  # ... while this many poked notifications have not arrived
+        self._awaited_lock = threading.Lock()  # poke() runs on the side channel's thread
+        self._work_fast_until = 0.0  # poll fast until then (scheduler work went out)
         self._stop = False
         self.on_publish: Callable[[], None] | None = None  # wakes the engine (set_wakeup)
         self.nice = 0  # scheduling niceness of this thread (the mode's worker sets it)
@@ -139,9 +145,17 @@ class TransferThread:
 
     def poke(self) -> None:
         """A WRITE into this engine was posted (called on the side-channel thread): poll the
-        agent fast for a while. A float store and an event: safe from any thread."""
-        self._fast_until = self.clock() + FAST_AFTER_POKE_S
+        agent fast until its notification arrives (FAST_AFTER_POKE_S at most)."""
+        with self._awaited_lock:
+            self._awaited += 1
+            self._fast_until = self.clock() + FAST_AFTER_POKE_S
         self.wake.set()
+
+    def _arrived(self, count: int) -> None:
+        """`count` notifications arrived: as many poked ones are no longer awaited (one that
+        came before its poke leaves the poke awaiting: fast polls until FAST_AFTER_POKE_S)."""
+        with self._awaited_lock:
+            self._awaited = max(0, self._awaited - count)
 
     def submit(self, meta: KVConnectorMetadata) -> None:
         """Hand the scheduler's per-step metadata over (only when it brings work)."""
@@ -168,13 +182,17 @@ class TransferThread:
         self._next_full = self.clock() + _FULL_STEP_EVERY_S
         self.peers.apply_finished()
         if self._drain_inbox():
-            self._fast_until = max(self._fast_until, self.clock() + FAST_AFTER_WORK_S)
+            self._work_fast_until = self.clock() + FAST_AFTER_WORK_S
         # A notification first seen now was not there at the previous drain, so it was sent
         # after about then: date it so. Dating it "now" would let a P that was frozen (or
         # starved) for longer than the ttl take a stale PUSH_REG for a fresh one and WRITE
         # into blocks D has long given to other requests.
         listened, self._last_listen = self._last_listen, self.clock()
-        for agent, raw in self.t.get_new_notifs() if notifs is None else notifs:
+        if notifs is None:
+            notifs = self.t.get_new_notifs()
+        if notifs and self._awaited:
+            self._arrived(len(notifs))
+        for agent, raw in notifs:
             try:
                 self._dispatch(raw, agent, listened)
             except Exception:  # noqa: BLE001 - one bad message must not lose the batch
@@ -265,7 +283,9 @@ class TransferThread:
         if self.source.needs_poll() or self.peers.pending():
             return POLL_INTERVAL_S
         if self.sink.needs_poll():
-            if not self.sink_waits_for_poke or self.clock() < self._fast_until:
+            now = self.clock()
+            if (not self.sink_waits_for_poke or now < self._work_fast_until
+                    or (self._awaited and now < self._fast_until)):
                 return POLL_INTERVAL_S
             return WAIT_POLL_S
         deadlines = [d for d in (self.source.next_deadline(), self.sink.next_deadline())

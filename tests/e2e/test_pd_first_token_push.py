@@ -146,6 +146,17 @@ def test_p_writer_thread_is_niced_and_nothing_else(pd):
     assert _niced_tasks(pd.d.pid) == []
 
 
+def _switches(proc: psutil.Process) -> int:
+    """How often the threads of `proc` blocked and were woken, all together (Linux)."""
+    total = 0
+    for thread in proc.threads():
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{proc.pid}/task/{thread.id}/status") as f:
+                total += next(int(line.split()[1]) for line in f
+                              if line.startswith("voluntary_ctxt_switches:"))
+    return total
+
+
 def test_d_waiting_for_kv_does_not_poll(pd):
     """Four D legs registered with a live P that never prefills them (their transfer ids
     reach no P leg): D waits for KV on P's poke and the connector's wake-up, not on a poll.
@@ -182,6 +193,23 @@ def test_d_waiting_for_kv_does_not_poll(pd):
     # the parked loop blocks on its input queue: the backstop (1/s) and the proxy's stats
     # call wake it, nothing else (a 50 ms wait woke it 20 times a second)
     assert loop_wakes <= 5, f"D's engine loop woke {loop_wakes:.1f} times a second while parked"
+    # With legs waiting, P's poke makes D's transfer thread poll every millisecond only until
+    # the poked notification (a request's WRITE completion) arrives, not for a second after
+    # every poke: under issue 33's 400-request load legs always waited and the fast polls
+    # never ended (0.6-1.0 s of D's CPU). D's engine process wakes about as often in the half
+    # second after a request as later; the old second-long fast polls woke it ~450 times more.
+    pokes = metric(pd.d, "pdserve:kv_pokes_received_total")
+    post(pd.proxy.url, "/v1/completions", completion_body(991, temperature=0.0, max_tokens=2))
+    assert metric(pd.d, "pdserve:kv_pokes_received_total") > pokes, "no poke: nothing tested"
+    start = _switches(core)
+    time.sleep(0.5)  # a measurement window inside the old fast-poll second
+    after_request = _switches(core) - start
+    time.sleep(0.7)  # past FAST_AFTER_POKE_S
+    start = _switches(core)
+    time.sleep(0.5)
+    later = _switches(core) - start
+    assert metric(pd.d, "pdserve:kv_recv_failed_total") == failed, "a leg stopped waiting"
+    assert after_request - later < 100, (after_request, later)
     for t in legs:
         t.join(30)  # unregistered transfers: P refuses them (unknown_timeout) or D times out
     assert_no_leaks(pd.engines, timeout=60)
