@@ -120,6 +120,28 @@ def _d_params(pd) -> dict:
             "tp_size": info.get("tp_size", 1)}
 
 
+def park_stray_legs(pd, *, first: int, registrations_per_leg: int) -> list[threading.Thread]:
+    """Four D legs registered with a live P that never prefills them (their transfer ids
+    reach no P leg), each on a thread; returns once every D rank registered every leg. P
+    refuses them after its unknown-transfer timeout (10 s); join the threads after that."""
+    d_params = _d_params(pd)
+    sent = metric(pd.d, "pdserve:kv_push_registrations_sent_total")
+
+    def leg(i: int) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(f"{pd.d.url}/v1/completions", timeout=20, json={
+                **completion_body(first + i, max_tokens=2),
+                "kv_transfer_params": {**d_params, "transfer_id": f"never-{first + i}"}})
+
+    legs = [threading.Thread(target=leg, args=(i,), daemon=True) for i in range(4)]
+    for t in legs:
+        t.start()
+    want = sent + 4 * registrations_per_leg
+    wait_until(lambda: metric(pd.d, "pdserve:kv_push_registrations_sent_total") >= want,
+               timeout=30, what=f"{want - sent:.0f} registrations sent")
+    return legs
+
+
 def _niced_tasks(pid: int) -> list[int]:
     """How much nicer than its server's API process each thread of the server's process tree
     runs, for the threads that differ (the suite itself may run under `nice`)."""
@@ -166,24 +188,11 @@ def test_d_waiting_for_kv_does_not_poll(pd):
     Measured 0.8-1.0 % (idle 0.4-0.6 %) and ~1 loop wake-up a second; the loop's 50 ms
     wake-ups while every request was parked (20 a second), and the readers' 100 ms
     exit-flag polls, made it 1.6-3.2 % (21 % with the 1 ms polls)."""
-    d_params = _d_params(pd)
     api = psutil.Process(pd.d.pid)
     procs = [api, *api.children(recursive=True)]
     core = _engine_core(api)
     idle, _ = _window_cpu(procs, core.pid)
-    sent = metric(pd.d, "pdserve:kv_push_registrations_sent_total")
-
-    def leg(i: int) -> None:
-        with contextlib.suppress(httpx.HTTPError):
-            httpx.post(f"{pd.d.url}/v1/completions", timeout=20, json={
-                **completion_body(700 + i, max_tokens=2),
-                "kv_transfer_params": {**d_params, "transfer_id": f"never-{i}"}})
-
-    legs = [threading.Thread(target=leg, args=(i,), daemon=True) for i in range(4)]
-    for t in legs:
-        t.start()
-    wait_until(lambda: metric(pd.d, "pdserve:kv_push_registrations_sent_total") >= sent + 4,
-               timeout=30, what="four registrations sent")
+    legs = park_stray_legs(pd, first=700, registrations_per_leg=1)
     failed = metric(pd.d, "pdserve:kv_recv_failed_total")
     waiting, loop_wakes = _window_cpu(procs, core.pid)
     # P refuses the strays only after its unknown-transfer timeout (10 s): all four still wait

@@ -8,15 +8,12 @@ colocated TP=1 token for token, the KV must really move, and nothing may leak on
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import threading
 
 import httpx
 import psutil
 import pytest
-from first_token_kit import completion_body
-from pd_harness import assert_no_leaks, deployment, metric, wait_until
-from test_pd_first_token_push import _d_params, _engine_core, _window_cpu
+from pd_harness import assert_no_leaks, deployment, metric
+from test_pd_first_token_push import _engine_core, _window_cpu, park_stray_legs
 from test_pd_push import REMOTE_TOKENS, _complete_all, _detok, _prompts
 from test_pd_push import reference as reference  # noqa: F401 - the module fixture
 
@@ -75,24 +72,11 @@ def test_tp2_d_waiting_for_kv_does_not_poll(pd_tp2):
     never writes (their transfer ids reach no P leg) leave the loop blocked on its input
     queue: it wakes at most 5 times a second (the 1 s backstop and the proxy's stats call),
     where without the hook it stepped the parked requests every millisecond."""
-    d_params = _d_params(pd_tp2)
     api = psutil.Process(pd_tp2.d.pid)
     core = _engine_core(api)
     procs = [api, *api.children(recursive=True)]
-    sent = metric(pd_tp2.d, "pdserve:kv_push_registrations_sent_total")
-
-    def leg(i: int) -> None:
-        with contextlib.suppress(httpx.HTTPError):
-            httpx.post(f"{pd_tp2.d.url}/v1/completions", timeout=20, json={
-                **completion_body(800 + i, max_tokens=2),
-                "kv_transfer_params": {**d_params, "transfer_id": f"never-tp-{i}"}})
-
-    legs = [threading.Thread(target=leg, args=(i,), daemon=True) for i in range(4)]
-    for t in legs:
-        t.start()
     # every D rank registers each leg with its P rank
-    wait_until(lambda: metric(pd_tp2.d, "pdserve:kv_push_registrations_sent_total")
-               >= sent + 8, timeout=30, what="eight registrations sent")
+    legs = park_stray_legs(pd_tp2, first=800, registrations_per_leg=2)
     failed = metric(pd_tp2.d, "pdserve:kv_recv_failed_total")
     used, loop_wakes = _window_cpu(procs, core.pid)
     assert metric(pd_tp2.d, "pdserve:kv_recv_failed_total") == failed, "a leg stopped waiting"
