@@ -50,7 +50,7 @@ def skinny(a, b, dt, clock) -> None:
     ws = [torch.randn(o, i).to(dt) for _ in range(8) for o, i in SHAPES]
     ws.append(torch.randn(8192, 512).to(dt))
     nbytes = sum(w.numel() * w.element_size() for w in ws)
-    for m in (1, 2, 3, 8):
+    for m in (1, 2, 3, 4, 8, 32):
         xs = {i: torch.randn(m, i).to(dt) for i in (512, 1408)}
         for w in ws:
             x = xs[w.shape[1]]

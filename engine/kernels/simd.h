@@ -57,7 +57,15 @@ struct Scalar {
   static V loadf(const float* p) { return *p; }
   static void storef(float* p, V v) { *p = v; }
   template <typename T>
-  static V madd(V acc, In<T> a, In<T> b) { return acc + a * b; }
+  static V madd(V acc, In<T> a, In<T> b) {
+    // Fused where the CPU has FMA: GCC contracts `acc + a * b` into an FMA in some loop shapes
+    // and not in others, so a row's skinny_linear result depended on its batch's tile shape.
+#if defined(__FMA__)
+    return std::fma(a, b, acc);
+#else
+    return acc + a * b;
+#endif
+  }
   static float hsum(V v) { return v; }
   static V hsums(const V* v) { return v[0]; }
   static V max(V a, V b) { return std::max(a, b); }

@@ -2,10 +2,10 @@
 //
 // With few rows the work is bound by reading the weight once from memory, and the BLAS gemm
 // spends up to twice that (it packs the weight for every call). This kernel streams w
-// straight from its [N, K] row-major layout: a tile of 4 weight rows (one vector-wide slice of
-// each per step) against up to 3 rows of x, 12 accumulators, a horizontal sum at the end; for
+// straight from its [N, K] row-major layout: a tile of 3 weight rows (one vector-wide slice of
+// each per step) against up to 4 rows of x, 12 accumulators, a horizontal sum at the end; for
 // at most kSequentialRows rows of x one weight row at a time (a single sequential stream,
-// software-prefetched ahead on AVX2).
+// software-prefetched ahead on AVX2). A tile's first pass prefetches the next tile's rows.
 // The weight rows are split over threads with at::parallel_for.
 //
 // float32 and bfloat16 (x and w of the same dtype; bf16 accumulates in float32 and rounds the
@@ -34,11 +34,22 @@ namespace {
 using namespace simd;
 
 // Up to this many rows of x, w is read one row at a time: one sequential stream, which the
-// hardware prefetcher follows at the full streaming bandwidth (4 interleaved streams of one
+// hardware prefetcher follows at the full streaming bandwidth (interleaved streams of one
 // row each are too short for it: 0.55-0.65 of the streaming read on an AMD EPYC with
 // AVX-512, against 0.95-1.0 for the single stream, `pdserve bench roofline`). Beyond it the
-// 4-row tile's reuse of each x load matters more. The per-output sums are the same either way.
-constexpr int64_t kSequentialRows = 4;
+// tile's reuse of each x load matters more, and the tile prefetches its successor's rows
+// itself (kTileRows below). The per-output sums are the same either way.
+constexpr int64_t kSequentialRows = 3;
+
+// The float32 tile: kTileRows rows of x against kTileCols rows of w, 12 accumulators. With the
+// x vector held in a register that is AVX2's 16; GCC otherwise folds each x load into every
+// FMA that uses it, and at 3 x 4 (the old tile) the 16 loads a step, not its 12 FMAs, were the
+// limit. Each tile's first pass over its rows of x prefetches the next tile's weight rows, a
+// few lines a step: the 3-4 short interleaved streams of a tile left the hardware prefetcher
+// behind. On a Zen 3 EPYC (AVX2, 1 thread, the bench model's matmuls, weights from DRAM)
+// 4 x 3 with the prefetch ran 1.3-1.45x the old 3 x 4 at 4-8 rows of x, 1.1-1.2x at 16-32
+// (scripts/decode_kernels_ab.py).
+constexpr int kTileRows = 4, kTileCols = 3;
 
 // How far ahead of its loads the single-row stream prefetches w, in bytes, on paths whose loads
 // are narrow (AVX2's 32 bytes): there the hardware prefetcher alone left the single stream at
@@ -52,9 +63,12 @@ template <>
 constexpr int64_t kPrefetchBytes<Avx2> = 2048;
 #endif
 
-// MB rows of x (stride K) against NB rows of w (stride K) into y (row stride N).
+// MB rows of x (stride K) against NB rows of w (stride K) into y (row stride N); where `next`
+// is given, the NB rows of w after these are prefetched along the way (only a hint: no
+// fault past the end).
 template <typename P, typename T, int MB, int NB>
-inline void tile(const T* x, const T* w, T* y, int64_t K, int64_t N) {
+inline void tile(const T* x, const T* w, T* y, int64_t K, int64_t N,
+                 const char* next = nullptr) {
   typename P::V acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = P::zero();
@@ -63,9 +77,13 @@ inline void tile(const T* x, const T* w, T* y, int64_t K, int64_t N) {
     typename P::template In<T> wv[NB];
     if constexpr (NB == 1 && kPrefetchBytes<P> > 0)  // no fault past the end: only a hint
       __builtin_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetchBytes<P>);
+    if (next != nullptr)  // NB * kStep values of each row a step: the next tile's lines
+      for (int l = 0; l < NB * P::kStep * static_cast<int>(sizeof(T)); l += 64)
+        __builtin_prefetch(next + k * NB * sizeof(T) + l);
     for (int j = 0; j < NB; ++j) wv[j] = P::load(w + j * K + k);
     for (int i = 0; i < MB; ++i) {
-      const auto xv = P::load(x + i * K + k);
+      auto xv = P::load(x + i * K + k);
+      if constexpr (NB > 1) asm("" : "+v"(xv));  // held in a register (kTileRows above)
       for (int j = 0; j < NB; ++j) acc[i][j] = P::template madd<T>(acc[i][j], xv, wv[j]);
     }
   }
@@ -86,23 +104,36 @@ inline void tile(const T* x, const T* w, T* y, int64_t K, int64_t N) {
     for (int j = 0; j < NB; ++j) y[i * N + j] = static_cast<T>(P::hsum(acc[i][j]));
 }
 
-// Every row of x against NB rows of w.
+// The last R (< kTileRows) rows of x against NB rows of w.
+template <typename P, typename T, int NB, int R>
+inline void last_rows(const T* x, const T* w, T* y, int64_t rows, int64_t K, int64_t N) {
+  if constexpr (R > 0) {
+    if (rows == R) return tile<P, T, R, NB>(x, w, y, K, N);
+    last_rows<P, T, NB, R - 1>(x, w, y, rows, K, N);
+  }
+}
+
+// Every row of x against NB rows of w; the first pass prefetches `next` (see tile).
 template <typename P, typename T, int NB>
-inline void all_rows(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) {
+inline void all_rows(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N,
+                     const char* next = nullptr) {
   int64_t m = 0;
-  for (; m + 3 <= M; m += 3) tile<P, T, 3, NB>(x + m * K, w, y + m * N, K, N);
-  if (M - m == 2) tile<P, T, 2, NB>(x + m * K, w, y + m * N, K, N);
-  if (M - m == 1) tile<P, T, 1, NB>(x + m * K, w, y + m * N, K, N);
+  for (; m + kTileRows <= M; m += kTileRows)
+    tile<P, T, kTileRows, NB>(x + m * K, w, y + m * N, K, N, m == 0 ? next : nullptr);
+  last_rows<P, T, NB, kTileRows - 1>(x + m * K, w, y + m * N, M - m, K, N);
 }
 
 template <typename P, typename T>
 void run(const T* xp, const T* wp, T* yp, int64_t M, int64_t K, int64_t N) {
-  const int64_t tiles = (N + 3) / 4;
-  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+  constexpr int NB = kTileCols;
+  const int64_t tiles = (N + NB - 1) / NB;
+  at::parallel_for(0, tiles, 64 / NB, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n = t * 4, nb = std::min<int64_t>(4, N - n);
-      if (nb == 4 && M > kSequentialRows) {
-        all_rows<P, T, 4>(xp, wp + n * K, yp + n, M, K, N);
+      const int64_t n = t * NB, nb = std::min<int64_t>(NB, N - n);
+      if (nb == NB && M > kSequentialRows) {
+        const bool more = t + 1 < t1 && n + 2 * NB <= N;  // a next full tile in this run
+        all_rows<P, T, NB>(xp, wp + n * K, yp + n, M, K, N,
+                           more ? reinterpret_cast<const char*>(wp + (n + NB) * K) : nullptr);
       } else {
         for (int64_t j = 0; j < nb; ++j)
           all_rows<P, T, 1>(xp, wp + (n + j) * K, yp + n + j, M, K, N);
@@ -159,10 +190,11 @@ void widen_x(const bf16* x, float* xs, int64_t M, int64_t K, int64_t Kp) {
       }
 }
 
-// MB rows of widened x (stride Kp) against NB rows of bf16 w (stride K) into y (stride N).
+// MB rows of widened x (stride Kp) against NB rows of bf16 w (stride K) into y (stride N);
+// `next` as in tile().
 template <typename P, int MB, int NB>
 inline void pair_tile(const float* xs, int64_t Kp, const bf16* w, int64_t K, bf16* y,
-                      int64_t N) {
+                      int64_t N, const char* next = nullptr) {
   constexpr int S = P::kStep;
   typename P::V even[MB][NB], odd[MB][NB];
   for (int i = 0; i < MB; ++i)
@@ -183,6 +215,9 @@ inline void pair_tile(const float* xs, int64_t Kp, const bf16* w, int64_t K, bf1
   for (; k + 2 * S <= K; k += 2 * S) {
     if constexpr (NB == 1 && kPrefetchBytes<P> > 0)  // no fault past the end: only a hint
       __builtin_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetchBytes<P>);
+    if (next != nullptr)
+      for (int l = 0; l < NB * 2 * S * static_cast<int>(sizeof(bf16)); l += 64)
+        __builtin_prefetch(next + k * NB * sizeof(bf16) + l);
     for (int j = 0; j < NB; ++j) wk[j] = w + j * K + k;
     step(wk, k);
   }
@@ -202,9 +237,10 @@ inline void pair_tile(const float* xs, int64_t Kp, const bf16* w, int64_t K, bf1
 
 template <typename P, int NB>
 inline void pair_rows(const float* xs, int64_t Kp, const bf16* w, int64_t K, bf16* y,
-                      int64_t M, int64_t N) {
+                      int64_t M, int64_t N, const char* next = nullptr) {
   int64_t m = 0;
-  for (; m + 3 <= M; m += 3) pair_tile<P, 3, NB>(xs + m * Kp, Kp, w, K, y + m * N, N);
+  for (; m + 3 <= M; m += 3)
+    pair_tile<P, 3, NB>(xs + m * Kp, Kp, w, K, y + m * N, N, m == 0 ? next : nullptr);
   if (M - m == 2) pair_tile<P, 2, NB>(xs + m * Kp, Kp, w, K, y + m * N, N);
   if (M - m == 1) pair_tile<P, 1, NB>(xs + m * Kp, Kp, w, K, y + m * N, N);
 }
@@ -220,7 +256,9 @@ void run_pairs(const bf16* xp, const bf16* wp, bf16* yp, int64_t M, int64_t K, i
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n = t * NB, nb = std::min<int64_t>(NB, N - n);
       if (nb == NB && M > kSequentialRows) {
-        pair_rows<P, NB>(xs.data(), Kp, wp + n * K, K, yp + n, M, N);
+        const bool more = t + 1 < t1 && n + 2 * NB <= N;
+        pair_rows<P, NB>(xs.data(), Kp, wp + n * K, K, yp + n, M, N,
+                         more ? reinterpret_cast<const char*>(wp + (n + NB) * K) : nullptr);
       } else {
         for (int64_t j = 0; j < nb; ++j)
           pair_rows<P, 1>(xs.data(), Kp, wp + (n + j) * K, K, yp + n + j, M, N);
