@@ -3,7 +3,11 @@
 - the skinny_linear threshold: up to how many rows the kernel beats the gemm `linear` uses
   beyond it (`large_linear`), per (dtype, threads, kernel path): one weight of
   CALIBRATION_SHAPE (larger than a core's L2, as the model's weights are) times 1, 2, 4, ...
-  128 random rows; the largest row count at which the kernel is not slower, 0 if it never is;
+  128 random rows; the largest row count up to which the kernel is not slower, counted from
+  its first win (at 1 row the BLAS gemv can tie it), 0 if it never wins. The first loss after
+  that ends it: the kernel's lead only shrinks with rows, so a later "win" is a close race
+  that noise decided (one such, at 128 rows, put 1-thread 128-token prefills of the bench
+  model on the kernel at 1.26x their gemm time);
 - the float32 gemm: oneDNN's matmul against F.linear (MKL) on GEMM_ROWS rows, per thread
   count; and the compiled sgemm (sgemm.cpp) against that choice, per thread count and path.
 
@@ -252,7 +256,8 @@ def race(fns: Sequence[Callable[[], Any]], watch: Watch | None = None,
 
 
 def measure(kernel, dtype: torch.dtype, gemm: Gemm, stop_on_noise: bool = True) -> Measured:
-    """Largest row count in ROWS where kernel.skinny_linear is not slower than `gemm`."""
+    """Largest row count in ROWS up to which kernel.skinny_linear is not slower than `gemm`,
+    from its first win on (module docstring)."""
     if (noise := Watch.probe(torch.get_num_threads())) and stop_on_noise:
         return Measured(None, noise)
     gen = torch.Generator().manual_seed(0)
@@ -268,6 +273,8 @@ def measure(kernel, dtype: torch.dtype, gemm: Gemm, stop_on_noise: bool = True) 
             return Measured(None, noise)
         if k <= t:
             best = m
+        elif best:
+            break
     return Measured(best, noise)
 
 

@@ -113,6 +113,32 @@ def test_threshold_is_the_largest_row_count_where_the_kernel_wins(fast_rows, wan
     assert got.value == want
 
 
+class _NoisyKernel(_FakeKernel):
+    """Fast from 2 up to `fast_rows` rows and again at 128 (a close race noise decided); at 1
+    row as slow as beyond `fast_rows` where `slow_at_one`."""
+
+    def __init__(self, fast_rows: int, slow_at_one: bool) -> None:
+        super().__init__(fast_rows)
+        self.slow_at_one = slow_at_one
+
+    def skinny_linear(self, x, w):
+        m = x.shape[0]
+        if not (m <= self.fast_rows or m == 128) or (m == 1 and self.slow_at_one):
+            for _ in range(3):
+                linear_mod.large_linear(x, w)
+        return x
+
+
+@pytest.mark.parametrize("slow_at_one", [False, True])
+def test_threshold_ends_at_the_first_loss_after_a_win(slow_at_one, monkeypatch):
+    # 128's "win" after the loss at 32 does not count; a loss at 1 row (a gemv tie) does not end
+    # it before the kernel's first win
+    monkeypatch.setattr(calibrate, "CALIBRATION_SHAPE", (256, 128))
+    got = calibrate.measure(_NoisyKernel(16, slow_at_one), torch.float32,
+                            linear_mod.large_linear, stop_on_noise=False)
+    assert got.value == 16
+
+
 def test_the_float32_gemm_is_the_one_measured_faster(monkeypatch):
     monkeypatch.setattr(calibrate, "CALIBRATION_SHAPE", (256, 128))
 
