@@ -1,0 +1,103 @@
+"""One decode step at batch B x 1024 context, split by kernel, on a given build of the kernels.
+
+Prefills B random 1024-token prompts (bench-llama, prefix caching off), then times `steps`
+full-batch decode steps and the compiled kernels' calls inside them (every call of the
+module wrapped in a timer): the rest of the step is the Python around them.
+
+usage: [KHASH=<build hash>] python scripts/decode_step_ab.py DTYPE B THREADS [STEPS]
+KHASH picks a build under ~/.cache/pdserve/kernels/pdserve_kernels_<hash>.so (an older
+commit's build: run the same command with two hashes, alternating, for an A/B).
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import engine.kernels as ek
+import engine.kernels.linear as el
+
+
+def _load(key: str | None):
+    if not key:
+        return ek.compiled()
+    name = f"pdserve_kernels_{key}"
+    spec = importlib.util.spec_from_file_location(
+        name, Path.home() / ".cache" / "pdserve" / "kernels" / f"{name}.so")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Timed:
+    """The kernels' module with every call timed into `spent` / `calls`."""
+
+    def __init__(self, module) -> None:
+        self.module = module
+        self.spent: dict[str, float] = collections.defaultdict(float)
+        self.calls: collections.Counter = collections.Counter()
+
+    def __getattr__(self, name: str):
+        fn = getattr(self.module, name)
+        if not callable(fn) or name == "get_isa":
+            return fn
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.spent[name] += time.perf_counter() - start
+            self.calls[name] += 1
+            return out
+        return timed
+
+
+def main() -> None:
+    dtype, batch, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    steps = int(sys.argv[4]) if len(sys.argv) > 4 else 20
+    kernels = _Timed(_load(os.environ.get("KHASH")))
+    for mod in (ek, el):
+        mod.compiled = lambda: kernels
+        mod.linear_kernel = lambda: kernels
+    ek.paged_attention = lambda: kernels
+    from engine.client.inproc import InprocClient
+    from engine.config import EngineConfig
+    from engine.protocol import EngineCoreRequest, SamplingParams
+
+    torch.set_num_threads(threads)
+    ctx = 1024
+    config = EngineConfig(model=".models/bench-llama", dtype=dtype, max_num_seqs=batch,
+                          max_model_len=ctx + steps + 16,
+                          num_kv_blocks=batch * ((ctx + steps + 16) // 16 + 1) + 4,
+                          block_size=16, max_num_batched_tokens=2048,
+                          enable_prefix_caching=False)
+    client = InprocClient(config)
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + 8)
+    for i in range(batch):
+        prompt = [rng.randrange(10, 8192) for _ in range(ctx)]
+        client.add_request(EngineCoreRequest(f"r{i}", prompt, params, None))
+    full = 0
+    while full < 3:  # the prefills, then two full steps
+        full += len(client.get_output().outputs) == batch
+    kernels.spent.clear()
+    kernels.calls.clear()
+    start = time.perf_counter()
+    for _ in range(steps):
+        client.get_output()
+    step = (time.perf_counter() - start) / steps
+    print(f"{dtype} B={batch} threads={threads} step {step * 1e3:.2f} ms", end="")
+    for name, spent in sorted(kernels.spent.items(), key=lambda kv: -kv[1]):
+        print(f"  {name} {spent / steps * 1e3:.2f}", end="")
+    print(f"  other {(step - sum(kernels.spent.values()) / steps) * 1e3:.2f}")
+    client.shutdown()
+
+
+if __name__ == "__main__":
+    main()
