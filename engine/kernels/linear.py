@@ -15,9 +15,9 @@ the MKL sgemm behind F.linear, which is measured once per machine and thread cou
 thresholds: on an AVX-512 AMD EPYC it is 1.3x MKL on the model's prefill shapes
 (docs/performance.md). bf16 F.linear goes to oneDNN already.
 PDSERVE_LINEAR=torch keeps F.linear everywhere.
-`fp32_kernels(x)` hands the layers the compiled `rope_` (rope.cpp: q and k rotated in place in
-a float32 q|k|v matmul output, one pass) and `add_rms_norm` (rms_norm.cpp); `act_kernels(x)`
-the SwiGLU activation `silu_mul` (silu_mul.cpp) for float32 and bf16.
+`row_kernels(x)` hands the layers the compiled row kernels for float32 and bf16: `rope_`
+(rope.cpp: q and k rotated in place in a q|k|v matmul output, one pass), `add_rms_norm`
+(rms_norm.cpp) and the SwiGLU activation `silu_mul` (silu_mul.cpp).
 """
 
 from __future__ import annotations
@@ -156,18 +156,12 @@ def recalibrate() -> dict[str, int | None]:
     return out
 
 
-def act_kernels(x: torch.Tensor) -> ModuleType | None:
-    """The kernels' module for `silu_mul` on x, a float32 or bf16 CPU [T, n] tensor (bf16 with
-    torch's roundings, silu_mul.cpp); None elsewhere."""
+def row_kernels(x: torch.Tensor) -> ModuleType | None:
+    """The kernels' module for `rope_`, `add_rms_norm` and `silu_mul` on x, a float32 or bf16
+    CPU [T, n] tensor (bf16 with the roundings of the layers' torch code, which transformers'
+    bf16 layers share); None where that torch code runs. In bf16 they are most of a decode
+    step's fixed cost: rms_norm alone is ~10 torch ops (casts around a float32 norm),
+    apply_rotary 7, each a dispatch."""
     if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or x.dim() != 2:
-        return None
-    return compiled()
-
-
-def fp32_kernels(x: torch.Tensor) -> ModuleType | None:
-    """The kernels' module, for x a float32 CPU [T, n] tensor (`rope_` on a q|k|v matmul
-    output, `add_rms_norm`); None where the torch path applies (other dtypes
-    keep torch's rounding order, which transformers' reference shares)."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
         return None
     return compiled()

@@ -8,14 +8,12 @@ the row-parallel outputs (o_proj, down_proj) are summed across ranks by `all_red
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import kernels
-from engine.kernels.linear import act_kernels, linear
+from engine.kernels.linear import linear, row_kernels
 from engine.models.arch import ModelArch
 from engine.models.parallel import AllReduceFn, TPLayout
 from engine.models.rope import apply_rotary
@@ -33,17 +31,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # One fused float32 norm, then HF's cast and scale (3 ops, not 7: a bf16 decode step runs
     # 2 per layer, and each op costs a few microseconds of dispatch).
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
-
-
-def row_kernels(x: torch.Tensor) -> ModuleType | None:
-    """The compiled kernels' module for `rope_` (rope.cpp) and `add_rms_norm` (rms_norm.cpp)
-    on x, a float32 or bf16 CPU [T, n] tensor (bf16 with the roundings of the torch code
-    below, which transformers' bf16 layers share); None where that torch code runs. In bf16
-    they are most of a decode step's fixed cost: rms_norm alone is ~10 torch ops (casts
-    around a float32 norm), apply_rotary 7, each a dispatch."""
-    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or x.dim() != 2:
-        return None
-    return kernels.compiled()
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -133,7 +120,7 @@ class DecoderLayer(nn.Module):
 
     def _mlp(self, h: torch.Tensor, all_reduce: AllReduceFn | None) -> torch.Tensor:
         gate_up = linear(h, self.gate_up_weight)
-        kernel = act_kernels(gate_up) if gate_up.is_contiguous() else None
+        kernel = row_kernels(gate_up) if gate_up.is_contiguous() else None
         if kernel is not None:
             # One vectorized pass into a contiguous [T, inter] (bf16: with torch's roundings):
             # the down projection's gemm (oneDNN) would copy a strided half of gate_up first.
