@@ -12,28 +12,16 @@ commit's build: run the same command with two hashes, alternating, for an A/B).
 from __future__ import annotations
 
 import collections
-import importlib.util
 import os
 import random
 import sys
 import time
-from pathlib import Path
 
 import torch
+from decode_kernels_ab import load  # the same directory: a build by its hash
 
 import engine.kernels as ek
 import engine.kernels.linear as el
-
-
-def _load(key: str | None):
-    if not key:
-        return ek.compiled()
-    name = f"pdserve_kernels_{key}"
-    spec = importlib.util.spec_from_file_location(
-        name, Path.home() / ".cache" / "pdserve" / "kernels" / f"{name}.so")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class _Timed:
@@ -61,7 +49,8 @@ class _Timed:
 def main() -> None:
     dtype, batch, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     steps = int(sys.argv[4]) if len(sys.argv) > 4 else 20
-    kernels = _Timed(_load(os.environ.get("KHASH")))
+    key = os.environ.get("KHASH")
+    kernels = _Timed(load(key) if key else ek.compiled())
     for mod in (ek, el):
         mod.compiled = lambda: kernels
         mod.linear_kernel = lambda: kernels

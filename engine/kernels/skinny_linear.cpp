@@ -63,6 +63,22 @@ template <>
 constexpr int64_t kPrefetchBytes<Avx2> = 2048;
 #endif
 
+// A tile's share of its successor's weight rows: the NB rows of a tile are contiguous, so a
+// tile that reads `bytes` of each of its rows a step asks for the next tile's `bytes` * NB at
+// the same offset (only a hint: no fault past the end).
+inline void prefetch_share(const char* next, int64_t offset, int64_t bytes) {
+  for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(next + offset + l);
+}
+
+// Where tile t of a thread's run [t0, t1) has a full next tile of NB rows in that run, its
+// first weight row; else null.
+template <typename T>
+inline const char* next_tile(const T* w, int64_t t, int64_t t1, int64_t NB, int64_t K,
+                             int64_t N) {
+  const int64_t n = (t + 1) * NB;
+  return t + 1 < t1 && n + NB <= N ? reinterpret_cast<const char*>(w + n * K) : nullptr;
+}
+
 // MB rows of x (stride K) against NB rows of w (stride K) into y (row stride N); where `next`
 // is given, the NB rows of w after these are prefetched along the way (only a hint: no
 // fault past the end).
@@ -77,9 +93,7 @@ inline void tile(const T* x, const T* w, T* y, int64_t K, int64_t N,
     typename P::template In<T> wv[NB];
     if constexpr (NB == 1 && kPrefetchBytes<P> > 0)  // no fault past the end: only a hint
       __builtin_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetchBytes<P>);
-    if (next != nullptr)  // NB * kStep values of each row a step: the next tile's lines
-      for (int l = 0; l < NB * P::kStep * static_cast<int>(sizeof(T)); l += 64)
-        __builtin_prefetch(next + k * NB * sizeof(T) + l);
+    if (next != nullptr) prefetch_share(next, k * NB * sizeof(T), NB * P::kStep * sizeof(T));
     for (int j = 0; j < NB; ++j) wv[j] = P::load(w + j * K + k);
     for (int i = 0; i < MB; ++i) {
       auto xv = P::load(x + i * K + k);
@@ -131,9 +145,7 @@ void run(const T* xp, const T* wp, T* yp, int64_t M, int64_t K, int64_t N) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n = t * NB, nb = std::min<int64_t>(NB, N - n);
       if (nb == NB && M > kSequentialRows) {
-        const bool more = t + 1 < t1 && n + 2 * NB <= N;  // a next full tile in this run
-        all_rows<P, T, NB>(xp, wp + n * K, yp + n, M, K, N,
-                           more ? reinterpret_cast<const char*>(wp + (n + NB) * K) : nullptr);
+        all_rows<P, T, NB>(xp, wp + n * K, yp + n, M, K, N, next_tile(wp, t, t1, NB, K, N));
       } else {
         for (int64_t j = 0; j < nb; ++j)
           all_rows<P, T, 1>(xp, wp + (n + j) * K, yp + n + j, M, K, N);
@@ -215,9 +227,7 @@ inline void pair_tile(const float* xs, int64_t Kp, const bf16* w, int64_t K, bf1
   for (; k + 2 * S <= K; k += 2 * S) {
     if constexpr (NB == 1 && kPrefetchBytes<P> > 0)  // no fault past the end: only a hint
       __builtin_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetchBytes<P>);
-    if (next != nullptr)
-      for (int l = 0; l < NB * 2 * S * static_cast<int>(sizeof(bf16)); l += 64)
-        __builtin_prefetch(next + k * NB * sizeof(bf16) + l);
+    if (next != nullptr) prefetch_share(next, k * NB * sizeof(bf16), NB * 2 * S * sizeof(bf16));
     for (int j = 0; j < NB; ++j) wk[j] = w + j * K + k;
     step(wk, k);
   }
@@ -256,9 +266,8 @@ void run_pairs(const bf16* xp, const bf16* wp, bf16* yp, int64_t M, int64_t K, i
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n = t * NB, nb = std::min<int64_t>(NB, N - n);
       if (nb == NB && M > kSequentialRows) {
-        const bool more = t + 1 < t1 && n + 2 * NB <= N;
         pair_rows<P, NB>(xs.data(), Kp, wp + n * K, K, yp + n, M, N,
-                         more ? reinterpret_cast<const char*>(wp + (n + NB) * K) : nullptr);
+                         next_tile(wp, t, t1, NB, K, N));
       } else {
         for (int64_t j = 0; j < nb; ++j)
           pair_rows<P, 1>(xs.data(), Kp, wp + (n + j) * K, K, yp + n + j, M, N);
