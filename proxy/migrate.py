@@ -24,13 +24,13 @@ Counted in `pdserve:proxy_migrations_total{reason}` (reason: disconnected, eof, 
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import aiohttp
+import msgspec
 from prometheus_client import Counter
 
 from proxy.backends import Lease
@@ -64,6 +64,8 @@ class Dispatcher(Protocol):  # proxy/flow.py's
     def _leg_timeout(self, ctx: Any) -> aiohttp.ClientTimeout: ...
 
 logger = logging.getLogger("pdserve.proxy")
+_decode = msgspec.json.decode
+_encode = msgspec.json.encode
 
 _COMPLETIONS_PATH = "/v1/completions"
 _IDS = ("token_ids", "prompt_token_ids")
@@ -193,9 +195,9 @@ class MigratingStream:
                 out.append(event + b"\n\n" + self._buffer)
                 self._buffer = b""
                 break
-            try:
-                obj = json.loads(data)
-            except ValueError:
+            try:  # msgspec: every relayed event is decoded and encoded again (hot path)
+                obj = _decode(data)
+            except msgspec.DecodeError:
                 out.append(event + b"\n\n")
                 continue
             if isinstance(obj, dict) and "error" in obj and self.plan.prompt_ids is not None:
@@ -203,7 +205,7 @@ class MigratingStream:
                 return b"".join(out), _Broke("error_event", None)
             if isinstance(obj, dict):
                 obj = self._note(obj)
-            out.append(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+            out.append(b"data: " + _encode(obj) + b"\n\n")
         return b"".join(out), None
 
     def _note(self, obj: dict[str, Any]) -> dict[str, Any]:

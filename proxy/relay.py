@@ -95,6 +95,7 @@ class RelayResponse(Response):
         self._sent_first_byte = False
         self._tail = b""  # the last bytes sent, for the [DONE] check
         self._upstream_ended = False
+        self._expired = False  # the deadline's timer cancelled the pump
         self.status_code = 200
         self.background = None
         headers = {k: v for k, v in stream.response.headers.items()
@@ -113,6 +114,10 @@ class RelayResponse(Response):
             # for a turn of the loop (the proxy hop, issue 28)
             complete = await self._send_head(send)
             pump = asyncio.ensure_future(self._pump(send, complete))
+            # one timer for the whole answer, not a cancel scope around every chunk (the
+            # relay's per-chunk cost is the proxy's CPU under load, issue 33)
+            deadline = asyncio.get_running_loop().call_later(
+                max(0.0, self.deadline - time.monotonic()), self._expire, pump)
             listener = asyncio.ensure_future(wait_for_disconnect(receive))
             tasks = [pump, listener]
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -134,6 +139,7 @@ class RelayResponse(Response):
         finally:
             try:
                 if tasks:
+                    deadline.cancel()
                     await cancel_and_wait(*tasks)
                 if reason == COMPLETED and not self._upstream_ended:
                     await self._drain_upstream()
@@ -184,16 +190,19 @@ class RelayResponse(Response):
                 chunk = await self._next()
             else:
                 self._upstream_ended = chunk is None
+        except asyncio.CancelledError:
+            if not self._expired:
+                raise
+            abort = self._timeout()  # the deadline's cancel, consumed here
+            self._expired = False
+            logger.warning("request %s: stream ended early (%s): %s",
+                           self.request_id, abort.reason, abort.error.message)
+            await self._end_early(send, abort)
+            return abort.reason
         except _Abort as abort:
             logger.warning("request %s: stream ended early (%s): %s",
                            self.request_id, abort.reason, abort.error.message)
-            if self.stream.is_sse:
-                await send({"type": "http.response.body",
-                            "body": abort.error.sse_event() + b"data: [DONE]\n\n",
-                            "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            # not SSE: returning without the final body message makes the server drop the
-            # connection, so the client sees a broken response instead of a truncated one
+            await self._end_early(send, abort)
             return abort.reason
         # D's answer is complete: its leg no longer counts as outstanding. Released before
         # the client sees the end, so a client's next request is balanced on the new count.
@@ -201,18 +210,33 @@ class RelayResponse(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return COMPLETED
 
+    async def _end_early(self, send: Send, abort: _Abort) -> None:
+        if self.stream.is_sse:
+            await send({"type": "http.response.body",
+                        "body": abort.error.sse_event() + b"data: [DONE]\n\n",
+                        "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        # not SSE: returning without the final body message makes the server drop the
+        # connection, so the client sees a broken response instead of a truncated one
+
+    def _expire(self, pump: asyncio.Future[str]) -> None:
+        """The request's deadline: the pump, wherever it waits, ends with a timeout."""
+        if not pump.done():
+            self._expired = True
+            pump.cancel()
+
     async def _next(self) -> bytes | None:
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0:
-            raise self._timeout()
+        """The next chunk (the deadline is the pump's timer, `_expire`)."""
         if self.prefill is not None:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._timeout()
             if not self.prefill.done():
                 return await self._next_watching_prefill(remaining)
             self._judge_prefill()
         try:
-            with anyio.fail_after(remaining):
-                return await next_chunk(self.stream.chunks)
-        except TimeoutError:
+            return await next_chunk(self.stream.chunks)
+        except TimeoutError:  # the leg's own total timeout: the same deadline
             raise self._timeout() from None
         except aiohttp.ClientError as exc:
             raise self._decode_broke(exc) from exc

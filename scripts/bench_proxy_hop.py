@@ -42,11 +42,16 @@ _INFO = {"engine_id": "engine-P", "kv_host": "127.0.0.1", "kv_port": 5600, "tp_s
          "block_size": 16, "kv_role": "kv_both", "kv_connector": "NixlPushConnector"}
 
 
-def _chunk(text: str, finish: str | None) -> bytes:
+def _chunk(text: str, finish: str | None, ids: list[int] | None = None,
+           prompt: list[int] | None = None) -> bytes:
+    choice: dict = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    if ids is not None:  # vLLM's return_token_ids, as the engines render it
+        choice["token_ids"] = ids
+        if prompt is not None:
+            choice["prompt_token_ids"] = prompt
     return b"data: " + json.dumps({
         "id": "cmpl-x", "object": "text_completion", "created": 1, "model": "m",
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-    }, separators=(",", ":")).encode() + b"\n\n"
+        "choices": [choice]}, separators=(",", ":")).encode() + b"\n\n"
 
 
 async def _start_app(port: int, health, completions, info=None) -> None:
@@ -64,7 +69,8 @@ async def _start_app(port: int, health, completions, info=None) -> None:
     await web.TCPSite(runner, "127.0.0.1", port).start()
 
 
-def _serve_fakes(p_port: int, d_port: int, p_delay: float, d_delay: float) -> None:
+def _serve_fakes(p_port: int, d_port: int, p_delay: float, d_delay: float,
+                 gap: float = 0.0) -> None:
     import uvloop
     from aiohttp import web
 
@@ -94,9 +100,15 @@ def _serve_fakes(p_port: int, d_port: int, p_delay: float, d_delay: float) -> No
         await resp.prepare(request)
         await asyncio.sleep(d_delay)
         n = int(body.get("max_tokens") or 4)
+        ids = body.get("return_token_ids") is True
+        prompt = body.get("prompt") if isinstance(body.get("prompt"), list) else [5, 6, 7]
         for i in range(n):
+            if i and gap:
+                await asyncio.sleep(gap)  # D's steps: one event a step
             await resp.write(_chunk(f"tok{i}" if i == 0 else f" tok{i}",
-                                    "length" if i == n - 1 else None))
+                                    "length" if i == n - 1 else None,
+                                    [100 + i] if ids else None,
+                                    prompt if ids and i == 0 else None))
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -177,6 +189,39 @@ def _spawn(args: list[str], port: int) -> ServerProcess:
     return ServerProcess([sys.executable, *args], "127.0.0.1", port, dict(os.environ), None)
 
 
+async def _burst(url: str, n: int, tokens: int, rng: random.Random) -> None:
+    """n concurrent streamed completions (fresh 64-id prompts), each read to its end."""
+    import aiohttp
+
+    async def one(session: aiohttp.ClientSession) -> None:
+        body = {"model": "m", "prompt": [rng.randrange(4, 8000) for _ in range(64)],
+                "max_tokens": tokens, "temperature": 0.0, "stream": True}
+        async with session.post(f"{url}/v1/completions", json=body) as r:
+            data = await r.read()
+        assert r.status == 200 and data.endswith(b"data: [DONE]\n\n"), data[-200:]
+        assert data.count(b'"text":') == tokens and b"token_ids" not in data, data[:400]
+
+    limits = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=limits) as session:
+        await asyncio.gather(*(one(session) for _ in range(n)))
+
+
+def _load_rounds(a: argparse.Namespace, urls: dict[str, str], servers: dict,
+                 rng: random.Random) -> dict:
+    """CPU ms a request of each relay over --rounds bursts, the relays taking turns."""
+    spent = {m: 0.0 for m in servers if m != "bare"}
+    for i in range(a.rounds + 1):  # round 0 warms up
+        for mode in spent:
+            before = _cpu(servers[mode].pid)
+            asyncio.run(_burst(urls[mode], a.load, a.tokens, rng))
+            if i:
+                spent[mode] += _cpu(servers[mode].pid) - before
+    per = {m: round(v / (a.rounds * a.load) * 1e3, 3) for m, v in spent.items()}
+    print("load", a.load, "tokens", a.tokens, "cpu ms/request", per, flush=True)
+    return {"load": {"requests": a.load, "tokens": a.tokens, "gap_ms": a.gap,
+                     "cpu_ms_per_request": per}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=200)
@@ -187,17 +232,24 @@ def main() -> None:
     ap.add_argument("--baseline-tree", help="also a proxy run from this checkout (PYTHONPATH), "
                     "interleaved: before/after a change in one run")
     ap.add_argument("--profile", help="cProfile (CPU time) of the proxy, written to this file")
+    ap.add_argument("--load", type=int, default=0, metavar="N",
+                    help="CPU under load instead: N concurrent streamed requests a burst, "
+                         "--tokens each, D's events --gap ms apart; --rounds bursts per proxy")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--gap", type=float, default=5.0, help="ms between D's events (--load)")
     ap.add_argument("--fakes", nargs=2, type=int, help=argparse.SUPPRESS)
     ap.add_argument("--bare", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.fakes:
-        return _serve_fakes(a.fakes[0], a.fakes[1], a.p_delay / 1e3, a.d_delay / 1e3)
+        return _serve_fakes(a.fakes[0], a.fakes[1], a.p_delay / 1e3, a.d_delay / 1e3,
+                            a.gap / 1e3 if a.load else 0.0)
     if a.bare:
         return _serve_bare(int(a.bare[0]), a.bare[1])
     p_port, d_port, bare_port, proxy_port, base_port = (free_port() for _ in range(5))
     me = os.path.abspath(__file__)
     fakes = _spawn([me, "--fakes", str(p_port), str(d_port), "--p-delay", str(a.p_delay),
-                    "--d-delay", str(a.d_delay)],
+                    "--d-delay", str(a.d_delay), "--gap", str(a.gap),
+                    *(("--load", str(a.load)) if a.load else ())],
                    p_port)
     procs = [fakes]
     try:
@@ -226,8 +278,10 @@ def main() -> None:
         rng = random.Random(28)
         load_start = os.getloadavg()
         results: dict = {}
+        if a.load:
+            results = _load_rounds(a, {m: urls[m] for m in servers}, servers, rng)
         with httpx.Client(timeout=60) as client:
-            for n in a.lengths:
+            for n in a.lengths if not a.load else ():
                 rows: dict[str, list[float]] = {m: [] for m in modes}
                 cpu0 = {m: 0.0 for m in servers}
                 for i in range(a.rounds + 20):  # 20 warm-up rounds

@@ -254,7 +254,9 @@ def sse_with_ids(chunk: Any, token_ids: Any, prompt_token_ids: Any = None, *,
     choice["token_ids"] = list(token_ids)
     if prompt_token_ids is not None:
         (choice if prompt_on_choice else payload)["prompt_token_ids"] = list(prompt_token_ids)
-    return sse(payload)
+    # msgspec, not json.dumps: a disaggregated D renders every chunk this way (the proxy asks
+    # for the ids), a fifth of D's API server under load. UTF-8 like model_dump_json.
+    return f"data: {msgspec.json.encode(payload).decode()}\n\n"
 
 
 def sse_error(exc: BaseException) -> str:

@@ -813,6 +813,34 @@ def test_request_timeout_bounds_a_hung_request(cluster: Cluster) -> None:
     assert p.legs[0].wait() == "cancelled" and d.legs[0].wait() == "cancelled"
 
 
+def test_request_timeout_mid_stream_ends_with_a_timeout_event(cluster: Cluster) -> None:
+    """D stalls after its first chunk: at the request's deadline the client gets the timeout
+    in-band (an error event, then [DONE]) and D's leg is aborted."""
+    p, d = cluster.fake("p"), cluster.fake("d")
+    proxy = cluster.proxy([p], [d], request_timeout=1.5)
+    t0 = time.monotonic()
+    resp = post(proxy, dict(BODY, stream=True, fake_hold="after_first"))
+    assert resp.status_code == 200 and 1.4 < time.monotonic() - t0 < 4.0
+    events = sse_events(resp.text.splitlines())
+    assert json.loads(events[0])["choices"][0]["text"] == "tok0 "
+    assert json.loads(events[1])["error"]["code"] == "timeout" and events[-1] == "[DONE]"
+    assert d.legs[0].wait() == "cancelled"
+    assert 'pdserve:proxy_stream_aborts_total{reason="timeout"} 1.0' in proxy.metrics()
+
+
+def test_generation_routes_answer_other_methods_405_and_time_their_hop(
+        cluster: Cluster) -> None:
+    """The two POST routes bypass FastAPI's stack (proxy/app.py ProxyApp): other methods still
+    get a 405 naming POST, and a relayed answer is still timed in proxy_hop_seconds."""
+    p, d = cluster.fake("p"), cluster.fake("d")
+    proxy = cluster.proxy([p], [d])
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = proxy.client.get(proxy.url + path, timeout=5)
+        assert r.status_code == 405 and r.headers["allow"] == "POST", r.text
+    assert post(proxy, dict(BODY, stream=True)).status_code == 200
+    assert 'pdserve:proxy_hop_seconds_count{part="relay"} 1.0' in proxy.metrics()
+
+
 # ---- the client-facing surface ---------------------------------------------------------------
 
 
