@@ -76,7 +76,12 @@ class ProxyState:
         self.client = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=c.max_connections, limit_per_host=0,
                                            keepalive_timeout=_KEEPALIVE_EXPIRY),
-            timeout=aiohttp.ClientTimeout(total=c.request_timeout, connect=c.connect_timeout),
+            # sock_connect, not connect: aiohttp's `connect` also bounds the wait for a free
+            # slot under max_connections, so a burst of legs beyond it failed as a connect
+            # timeout (a 504, and a healthy backend counted as failing); the request's
+            # deadline bounds that wait instead
+            timeout=aiohttp.ClientTimeout(total=c.request_timeout,
+                                          sock_connect=c.connect_timeout),
             headers={"accept-encoding": "identity"},
             auto_decompress=False,
         )

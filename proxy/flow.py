@@ -292,7 +292,7 @@ class Dispatcher:
         # 504 "timeout"; a leg's own total is only a backstop just after it.
         remaining = max(0.001, ctx.remaining())
         return aiohttp.ClientTimeout(total=remaining + _LEG_BACKSTOP_S,
-                                     connect=min(self.config.connect_timeout, remaining))
+                                     sock_connect=min(self.config.connect_timeout, remaining))
 
     async def _prefill_leg(
         self, ctx: RequestContext, lease: Lease, body: dict[str, Any]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import concurrent.futures
 import json
 import os
 import re
@@ -826,6 +827,27 @@ def test_request_timeout_mid_stream_ends_with_a_timeout_event(cluster: Cluster) 
     assert json.loads(events[1])["error"]["code"] == "timeout" and events[-1] == "[DONE]"
     assert d.legs[0].wait() == "cancelled"
     assert 'pdserve:proxy_stream_aborts_total{reason="timeout"} 1.0' in proxy.metrics()
+
+
+def test_legs_waiting_for_a_pool_slot_are_not_connect_timeouts(cluster: Cluster) -> None:
+    """More legs than --max-connections: a leg waits for a slot for as long as the request's
+    deadline allows, not the connect timeout (a burst of 600 streams ended in 504s and
+    backends counted as failing)."""
+    p, d = cluster.fake("p"), cluster.fake("d")
+    proxy = cluster.proxy([p], [d], max_connections=1, connect_timeout=0.3)
+    held = threading.Thread(target=post, args=(proxy, dict(BODY, stream=True,
+                                                           fake_hold="after_first")))
+    held.start()  # its D leg keeps the one connection
+    wait_until(lambda: d.legs and d.legs[0].chunks_sent, what="the held stream's first chunk")
+    waiting = concurrent.futures.ThreadPoolExecutor(1).submit(post, proxy, BODY)
+    time.sleep(1.0)  # well past the connect timeout: the second request's D leg waits
+    # aiohttp reuses P's idle connection past the limit; D's leg needs a new one and waits
+    assert len(d.legs) == 1 and not waiting.done()
+    d.gate.set()
+    held.join(10)
+    assert waiting.result(10).status_code == 200
+    assert proxy.healthy(p.url) and proxy.healthy(d.url)
+    assert "decode_timeout" not in proxy.metrics() and "prefill_timeout" not in proxy.metrics()
 
 
 def test_generation_routes_answer_other_methods_405_and_time_their_hop(
