@@ -12,7 +12,9 @@ The client keeps its connections open (one httpx.Client, as the openai client do
 client per request costs ~40 ms of SSL-context and connection set-up before the request is
 even sent, whose spread (+-10 ms under load) swamped the 2 ms being measured.
 Reported: medians, the paired median of (proxy - colocated) per round, the CPU model and
-the load average. Writes bench/results/first_token.json (or --out).
+the load average; and, since P's own prefill swings by +-10 % between requests on a noisy
+machine, each request's time outside P (its TTFT minus P's server-side TTFT for it, read from
+P's metrics between requests) and the proxy modes' median of it minus the colocated one's. Writes bench/results/first_token.json (or --out).
 
   .venv/bin/python scripts/bench_first_token.py [--pin] [--rounds 15] [--lengths 128 1024]
 """
@@ -80,6 +82,15 @@ def _stream(client: httpx.Client, url: str, body: dict) -> tuple[float, float | 
     return first - t0, None if second is None else second - first
 
 
+def p_ttft_sum(client: httpx.Client, url: str) -> float:
+    """P's own TTFT so far (pdserve:time_to_first_token_seconds_sum: arrival at P's API server
+    to its first token), read between requests: its growth is one request's P-side TTFT."""
+    for ln in client.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if ln.startswith("pdserve:time_to_first_token_seconds_sum"):
+            return float(ln.rsplit(" ", 1)[1])
+    raise RuntimeError(f"{url}/metrics has no pdserve:time_to_first_token_seconds_sum")
+
+
 def proxy_hop_ms(url: str) -> dict[str, float]:
     """The proxy's own share of the first bytes (pdserve:proxy_hop_seconds): mean ms per part."""
     sums: dict[str, float] = {}
@@ -125,6 +136,7 @@ def main() -> None:
         results: dict = {}
         for n in a.lengths:
             rows: dict[str, list] = {m: [] for m in MODES}
+            outside: dict[str, list[float]] = {m: [] for m in MODES}  # TTFT minus P's own
             for i in range(a.rounds + 1):  # round 0 warms every path up
                 for mode in MODES:
                     body = {"model": "m", "prompt": [rng.randrange(4, 8000) for _ in range(n)],
@@ -132,9 +144,11 @@ def main() -> None:
                     if mode == "recompute":
                         body["kv_transfer_params"] = {"first_token": False}
                     url = p.url if mode == "colocated" else proxy.url
+                    before = p_ttft_sum(client, p.url)
                     ttft, gap = _stream(client, url, body)
                     if i:
                         rows[mode].append((ttft, gap))
+                        outside[mode].append(ttft - (p_ttft_sum(client, p.url) - before))
             med = {m: statistics.median(t for t, _ in rows[m]) for m in MODES}
             gaps = {m: statistics.median(g for _, g in rows[m] if g is not None) for m in MODES}
             paired = {m: statistics.median(rows[m][k][0] - rows["colocated"][k][0]
@@ -145,6 +159,16 @@ def main() -> None:
                 "ttft_ratio_to_colocated": {m: round(med[m] / med["colocated"], 4)
                                             for m in MODES[1:]},
                 "token1_to_token2_ms": {m: round(v * 1e3, 2) for m, v in gaps.items()},
+                "ttft_ms_by_round": {m: [round(t * 1e3, 2) for t, _ in rows[m]] for m in MODES},
+                # P's prefill swings +-10 % between requests here (808-1214 ms at 1024
+                # tokens): a request's TTFT minus P's own TTFT for it (P's metrics, read
+                # between requests) is the time spent outside P, without that swing
+                "outside_p_median_ms": {m: round(statistics.median(outside[m]) * 1e3, 2)
+                                        for m in MODES},
+                "outside_p_minus_colocated_ms": {
+                    m: round((statistics.median(outside[m])
+                              - statistics.median(outside["colocated"])) * 1e3, 2)
+                    for m in MODES[1:]},
             }
             print(n, json.dumps(results[str(n)]), flush=True)
         seeded = sum(float(ln.rsplit(" ", 1)[1]) for ln in
