@@ -40,14 +40,28 @@ ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_li
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, in] @ weight[out, in]^T + bias, as F.linear."""
-    if x.dim() == 2 and x.dtype == weight.dtype and x.device.type == "cpu":
-        if x.shape[0] <= skinny_rows(x.dtype):
-            kernel = linear_kernel()
-            if kernel is not None:
-                y = kernel.skinny_linear(x.contiguous(), weight.contiguous())
-                return y if bias is None else y.add_(bias)
+    if x.dim() == 2 and x.dtype == weight.dtype and x.is_cpu:
+        rows, kernel = _skinny.get((x.dtype, torch.get_num_threads())) or _skinny_now(x.dtype)
+        if x.shape[0] <= rows and kernel is not None:
+            y = kernel.skinny_linear(x.contiguous(), weight.contiguous())
+            return y if bias is None else y.add_(bias)
         return large_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+# (dtype, threads) -> (skinny rows, kernel) once the threshold is final: a decode step calls
+# `linear` ~4 times a layer, and looking both up each time (the environment, the store's
+# choice) cost ~6 us a call, ~0.2 ms of a bf16 batch-1 step (issue 33)
+_skinny: dict[tuple[torch.dtype, int], tuple[int, ModuleType | None]] = {}
+
+
+def _skinny_now(dtype: torch.dtype) -> tuple[int, ModuleType | None]:
+    kernel, threads = linear_kernel(), torch.get_num_threads()
+    rows = skinny_rows(dtype)
+    if (kernel is None or dtype not in (torch.float32, torch.bfloat16)
+            or (dtype, threads, kernel.get_isa()) in _thresholds.final):
+        _skinny[(dtype, threads)] = (rows, kernel)  # final: it no longer changes
+    return rows, kernel
 
 
 def large_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -135,6 +149,7 @@ def recalibrate() -> dict[str, int | None]:
         return {}
     for choices in (_onednn, _sgemm, _thresholds):
         choices.cache_clear()
+    _skinny.clear()
     threads, isa = torch.get_num_threads(), kernel.get_isa()
     runs: dict[str, tuple[str, Callable[[], calibrate.Measured]]] = {}
     if ONEDNN:
@@ -162,6 +177,6 @@ def row_kernels(x: torch.Tensor) -> ModuleType | None:
     bf16 layers share); None where that torch code runs. In bf16 they are most of a decode
     step's fixed cost: rms_norm alone is ~10 torch ops (casts around a float32 norm),
     apply_rotary 7, each a dispatch."""
-    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or x.dim() != 2:
+    if x.dtype not in (torch.float32, torch.bfloat16) or not x.is_cpu or x.dim() != 2:
         return None
     return compiled()

@@ -69,12 +69,15 @@ def test_linear_uses_the_kernel_up_to_the_threshold_and_f_linear_beyond(kernel_i
     real = kernel_isa.skinny_linear
 
     class Spy:
+        get_isa = kernel_isa.get_isa
+
         def skinny_linear(self, x, w):
             calls.append(x.shape[0])
             return real(x, w)
 
     monkeypatch.setattr(linear_mod, "linear_kernel", lambda: Spy())
     monkeypatch.setattr(linear_mod, "skinny_rows", lambda dt: {dtype: 5}.get(dt, 0))
+    monkeypatch.setattr(linear_mod, "_skinny", {})  # linear's cache of the two above
     gen = torch.Generator().manual_seed(3)
     w, b = torch.randn(40, 24, generator=gen).to(dtype), torch.randn(40, generator=gen).to(dtype)
     for m in (1, 5, 6):
