@@ -14,7 +14,8 @@ even sent, whose spread (+-10 ms under load) swamped the 2 ms being measured.
 Reported: medians, the paired median of (proxy - colocated) per round, the CPU model and
 the load average; and, since P's own prefill swings by +-10 % between requests on a noisy
 machine, each request's time outside P (its TTFT minus P's server-side TTFT for it, read from
-P's metrics between requests) and the proxy modes' median of it minus the colocated one's. Writes bench/results/first_token.json (or --out).
+P's metrics between requests) and the proxy modes' median of it minus the colocated one's.
+Writes bench/results/first_token.json (or --out).
 
   .venv/bin/python scripts/bench_first_token.py [--pin] [--rounds 15] [--lengths 128 1024]
 """

@@ -11,8 +11,8 @@ until the test sets the fake's gate. Prefill legs ignore it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
