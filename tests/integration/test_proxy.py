@@ -449,6 +449,8 @@ def test_stream_reaches_client_chunk_by_chunk_before_decode_finishes(cluster: Cl
         lines = resp.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert json.loads(first[6:])["choices"][0]["text"] == "tok0 "
+        # the first chunk may be P's (the handover): D's leg can still be on its way
+        wait_until(lambda: len(d.legs) == 1, what="D's leg")
         (dleg,) = d.legs
         assert dleg.outcome is None  # D is still holding the rest
         d.gate.set()
