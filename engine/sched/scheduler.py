@@ -245,7 +245,13 @@ class Scheduler:
                     req.request_id, self.kv_cache_manager.num_free_blocks, req.num_preemptions)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """First come, first served; past a request that cannot get its blocks, only requests
+        that already hold theirs (KV landed from P) are admitted. They need a block at most,
+        and running them frees theirs: a preempted request at the head waiting for blocks
+        that parked D legs hold would otherwise wait for ever (with nothing running, nothing
+        frees a block: 600 streamed P/D requests on 4096 blocks hung a D this way)."""
         skipped: list[Request] = []  # keep their place at the head of the queue
+        blocked = False  # a request ahead could not get its blocks
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
@@ -256,10 +262,13 @@ class Scheduler:
                     continue  # its seeded first token ended it
             if self.kv_cache_manager.get_block_ids(req.request_id):
                 outcome = self._admit_resident(req, plan)
+            elif blocked:
+                outcome = _SKIPPED  # no fresh admission overtakes a blocked one
             else:
                 outcome = self._admit_fresh(req, plan)
             if outcome == _BLOCKED:
-                break
+                blocked = True
+                outcome = _SKIPPED
             if outcome == _SKIPPED:
                 skipped.append(self.waiting.popleft())
         self.waiting.extendleft(reversed(skipped))

@@ -543,6 +543,31 @@ def test_remote_prefill_parks_then_computes_only_the_last_prompt_token(make):
     h.run()
 
 
+def test_landed_requests_run_past_a_preempted_one_waiting_for_blocks(make):
+    """Parked D legs hold 4 of 6 blocks; a local request grows, preempts itself and waits at
+    the head of the queue for 3 blocks. When the legs' KV lands they run past it (a block at
+    most each), finish, and give it the blocks; with the head blocking everything, nothing ran
+    and nothing freed a block: a hang."""
+    conn = FakeConnector()
+    h = make(num_blocks=6, connector=conn)
+    prompts = {rid: _req(rid, 5).prompt_token_ids for rid in ("r1", "r2")}
+    for rid, prompt in prompts.items():
+        conn.remote[rid] = "async"
+        h.sched.add_request(_req(rid, prompt, max_tokens=2))
+    h.step()  # both parked: 2 blocks each
+    h.sched.add_request(_req("loc", 4, max_tokens=12))
+    for _ in range(10):
+        so, _ = h.step()
+        if so.preempted_req_ids:
+            break
+    assert so.preempted_req_ids == {"loc"} and h.sched.waiting[0].request_id == "loc"
+    for rid, prompt in prompts.items():
+        h.runner.write_kv(h.sched.kv_cache_manager.get_block_ids(rid), prompt, 5)
+    h.runner.kvo = KVConnectorOutput(finished_recving={"r1", "r2"})
+    h.run(max_steps=100)
+    assert [len(h.tokens(rid)) for rid in ("r1", "r2", "loc")] == [2, 2, 12]
+
+
 def test_remote_prefill_after_a_local_prefix_hit_asks_only_for_the_rest(make):
     conn = FakeConnector()
     h = make(connector=conn)
