@@ -333,15 +333,9 @@ def build_app(config: ProxyConfig) -> FastAPI:
     app = ProxyApp(title="pdserve proxy", lifespan=lifespan,
                    docs_url=None, redoc_url=None, openapi_url=None)
     app.state.proxy = state
-    app.hot = {}
-    for route in (COMPLETIONS, CHAT):
-        app.hot[ROUTE_PATHS[route]] = _generation(state, route)
-
-        async def generate(request: Request, route: str = route) -> Response:
-            return await state.generate(request, route)
-
-        # ProxyApp serves the POSTs itself; the route gives the other methods Starlette's 405
-        app.add_route(ROUTE_PATHS[route], generate, methods=["POST"])
+    app.hot = {ROUTE_PATHS[route]: _generation(state, route) for route in (COMPLETIONS, CHAT)}
+    for path, hot in app.hot.items():  # ProxyApp serves their POSTs; the routes give the
+        app.add_route(path, hot, methods=["POST"])  # other methods Starlette's 405
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -190,34 +190,25 @@ class RelayResponse(Response):
                 chunk = await self._next()
             else:
                 self._upstream_ended = chunk is None
-        except asyncio.CancelledError:
-            if not self._expired:
+        except (_Abort, asyncio.CancelledError) as exc:
+            if isinstance(exc, asyncio.CancelledError) and not self._expired:
                 raise
-            abort = self._timeout()  # the deadline's cancel, consumed here
-            self._expired = False
+            abort = exc if isinstance(exc, _Abort) else self._timeout()  # the deadline's cancel
             logger.warning("request %s: stream ended early (%s): %s",
                            self.request_id, abort.reason, abort.error.message)
-            await self._end_early(send, abort)
-            return abort.reason
-        except _Abort as abort:
-            logger.warning("request %s: stream ended early (%s): %s",
-                           self.request_id, abort.reason, abort.error.message)
-            await self._end_early(send, abort)
+            if self.stream.is_sse:
+                await send({"type": "http.response.body",
+                            "body": abort.error.sse_event() + b"data: [DONE]\n\n",
+                            "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            # not SSE: returning without the final body message makes the server drop the
+            # connection, so the client sees a broken response instead of a truncated one
             return abort.reason
         # D's answer is complete: its leg no longer counts as outstanding. Released before
         # the client sees the end, so a client's next request is balanced on the new count.
         self.stream.lease.release()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return COMPLETED
-
-    async def _end_early(self, send: Send, abort: _Abort) -> None:
-        if self.stream.is_sse:
-            await send({"type": "http.response.body",
-                        "body": abort.error.sse_event() + b"data: [DONE]\n\n",
-                        "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        # not SSE: returning without the final body message makes the server drop the
-        # connection, so the client sees a broken response instead of a truncated one
 
     def _expire(self, pump: asyncio.Future[str]) -> None:
         """The request's deadline: the pump, wherever it waits, ends with a timeout."""
