@@ -15,7 +15,11 @@ How
     counts the whole answer (prompt = the client's prompt, completion = all tokens).
   - Seam: ids relayed in chunks whose text was still empty (a multi-byte character not yet
     complete, a token with no text) are not "sent": the continuation regenerates them, so the
-    client gets that character whole from the new D (greedy: the same ids).
+    client gets that character whole from the new D (greedy: the same ids). A chunk can also
+    carry text *and* ids D still held back (D merges the deltas a slow reader has not taken:
+    text "fi", ids [fi, first byte of é]). When the last chunk with text had more than one id,
+    the new D's `/detokenize` tells which of its trailing ids end in half a character (D's text
+    never does mid-stream); those go back to pending (`held_ids`).
   - Bounded: `--retries` continuations per stream, each to a D not tried yet, within the
     request deadline. A stream that cannot migrate (not SSE, n>1, stop strings or logprobs,
     no prompt ids seen, no other healthy D) fails as before: an error event, then [DONE].
@@ -25,7 +29,7 @@ Counted in `pdserve:proxy_migrations_total{reason}` (reason: disconnected, eof, 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -68,6 +72,7 @@ _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 
 _COMPLETIONS_PATH = "/v1/completions"
+_REPLACEMENT = "\ufffd"  # what a decode gives for half a UTF-8 character
 _IDS = ("token_ids", "prompt_token_ids")
 # Sampling fields a chat request shares with a completions continuation.
 _SHARED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",
@@ -83,6 +88,7 @@ class Plan:
     prompt_ids: list[int] | None = None
     sent: list[int] = field(default_factory=list)  # ids whose text the client has whole
     pending: list[int] = field(default_factory=list)  # ids relayed with no text yet
+    last_ids: int = 0  # ids the last chunk with text made "sent" (the seam to check)
     base: int = 0  # completion tokens before the current leg
     legs: int = 0  # continuations so far
     tried: list[Any] = field(default_factory=list)  # backends that broke
@@ -221,8 +227,8 @@ class MigratingStream:
         """Open the continuation and return its first chunk; or raise what ends the stream."""
         plan, ctx, d = self.plan, self.ctx, self.migrator.dispatcher
         old = self.leg
-        body = self._continuation_body() if self._can_migrate() else None
-        if body is None or ctx.remaining() <= 0:
+        if (not self._can_migrate() or self._continuation_body() is None
+                or ctx.remaining() <= 0):
             raise self._give_up(broke)  # the relay counts the failure and reports it
         if broke.exc is not None:
             record_connection_failure(old.lease.pool, old.lease, broke.exc)
@@ -235,6 +241,13 @@ class MigratingStream:
             if lease is None:  # the old leg's failure is counted already
                 raise self._give_up(broke)
             headers = {**ctx.headers, "x-request-id": new_id()}
+            try:
+                await self._settle_seam(lease, headers)
+            except BaseException:  # cancelled (the deadline, the client gone)
+                lease.release()
+                raise
+            body = self._continuation_body()  # the seam only moves ids back: not None
+            assert body is not None
             try:
                 leg = await open_decode_leg(d.client, d.decode, lease, _COMPLETIONS_PATH, body,
                                             headers, d._leg_timeout(ctx), ctx.request_id)
@@ -255,6 +268,35 @@ class MigratingStream:
                        "tokens; continuing on %s", ctx.request_id, old.lease.url, broke.reason,
                        plan.base, leg.lease.url)
         return leg.first_chunk
+
+    async def _settle_seam(self, lease: Lease, headers: dict[str, str]) -> None:
+        """Move ids D still held back in the last chunk with text from sent to pending (see
+        the module doc); once a migration. A D that cannot answer leaves the seam as it is."""
+        plan, d = self.plan, self.migrator.dispatcher
+        span, plan.last_ids = plan.last_ids - 1, 0
+        if span <= 0:
+            return
+        model = self.ctx.body.get("model")
+
+        async def decode(ids: list[int]) -> str:
+            async with d.client.post(lease.url + "/detokenize", headers=headers,
+                                     data=_encode({"model": model, "tokens": ids}),
+                                     timeout=d._leg_timeout(self.ctx)) as resp:
+                if resp.status != 200:
+                    raise ValueError(f"answered {resp.status}")
+                return str(_decode(await resp.read())["prompt"])
+
+        try:
+            held = await held_ids(plan.sent, span, decode)
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError,
+                msgspec.DecodeError) as exc:
+            logger.warning("request %s: %s/detokenize failed (%s: %s); the seam is taken as "
+                           "the chunks' text shows it", self.ctx.request_id, lease.url,
+                           type(exc).__name__, exc)
+            return
+        if held:
+            plan.pending = plan.sent[-held:] + plan.pending
+            del plan.sent[-held:]
 
     def _continuation_body(self) -> dict[str, Any] | None:
         plan, body = self.plan, self.ctx.body
@@ -278,6 +320,21 @@ class MigratingStream:
         if broke.exc is not None:
             return broke.exc
         return aiohttp.ClientPayloadError(f"decode stream ended early ({broke.reason})")
+
+
+async def held_ids(sent: list[int], span: int,
+                   decode: Callable[[list[int]], Awaitable[str]]) -> int:
+    """How many of `sent`'s last `span` ids D had not rendered yet: a D's text never ends in
+    half a character mid-stream (engine/frontend/detokenizer.py), so while the text through
+    an id ends in U+FFFD, D still held that id back. Decoded with 8 ids of context before the
+    span: a character's bytes never span more than 4 ids."""
+    held = 0
+    while held < span:
+        end = len(sent) - held
+        if not (await decode(sent[max(0, end - span - 8):end])).endswith(_REPLACEMENT):
+            break
+        held += 1
+    return held
 
 
 def note_event(plan: Plan, obj: dict[str, Any]) -> bool:
@@ -305,6 +362,7 @@ def note_event(plan: Plan, obj: dict[str, Any]) -> bool:
             plan.pending.extend(ids)
         if text or choice.get("finish_reason") is not None:
             finished = finished or choice.get("finish_reason") is not None
+            plan.last_ids = len(plan.pending)
             plan.sent.extend(plan.pending)
             plan.pending = []
         if not plan.client_ids:

@@ -6,6 +6,7 @@ a continuation leg's events read as the same answer (chat deltas, usage over the
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.models.tokenizer import Tokenizer
 from engine.protocol import SamplingParams
-from proxy.migrate import Plan, note_event, rewrite_event
+from proxy.migrate import Plan, held_ids, note_event, rewrite_event
 
 _REPLACEMENT = "\ufffd"
 
@@ -103,3 +104,66 @@ def test_a_continuation_event_reads_as_the_clients_chat_answer():
     out = rewrite_event(usage_event, plan, chat=False)
     assert out["id"] == "chatcmpl-a"
     assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+
+
+def _merged_events(tok: Tokenizer, prompt: list[int], out: list[int],
+                   first: int) -> list[dict[str, Any]]:
+    """What a D streams when its reader lags: one event for out[:first], then two tokens an
+    event (the collector merges the deltas not yet taken: text and ids concatenated)."""
+    det = IncrementalDetokenizer(tok, prompt, SamplingParams(max_tokens=len(out)))
+    groups = [out[:first]] + [out[i:i + 2] for i in range(first, len(out), 2)]
+    events = []
+    for ids in groups:
+        text = ""
+        for t in ids:
+            det.update([t], False)
+            text += det.get_next_output_text(False, True)
+        events.append({"id": "cmpl-a", "created": 7, "model": "m", "choices": [
+            {"index": 0, "text": text, "token_ids": ids, "finish_reason": None}]})
+    events[0]["choices"][0]["prompt_token_ids"] = prompt
+    return events
+
+
+def test_a_merged_chunk_with_text_and_a_held_byte_keeps_the_character(tiny_model):
+    """CI caught this: D merged "…fi" and the first byte of the next character into one
+    chunk; counting both ids as sent lost the character's U+FFFD at the seam."""
+    tok = Tokenizer.from_dir(tiny_model)
+    prompt = tok.encode("the model decode", add_special_tokens=False)
+
+    async def decode(ids: list[int]) -> str:
+        return tok.decode(ids)
+
+    for text in ("ka 😀 lo", "the 한국 cache", "zen 中文 block", "el café ta", "a ☃ b"):
+        out = tok.encode(text, add_special_tokens=False)
+        for first in range(1, len(out)):
+            events = _merged_events(tok, prompt, out, first)
+            for cut in range(1, len(events)):
+                plan, shown = Plan(client_ids=False), []
+                for event in events[:cut]:
+                    note_event(plan, event)
+                    shown.append(event["choices"][0]["text"])
+                if plan.pending or plan.last_ids < 2 or not tok.decode(
+                        plan.sent).endswith(_REPLACEMENT):
+                    continue  # not the case: a text chunk whose last id D still held
+                naive = _continuation_text(tok, prompt + plan.sent, out[len(plan.sent):])
+                assert "".join(shown) + naive != tok.decode(out)
+                held = asyncio.run(held_ids(plan.sent, plan.last_ids - 1, decode))
+                assert held >= 1
+                sent = plan.sent[:-held]
+                continuation = _continuation_text(tok, prompt + sent, out[len(sent):])
+                assert "".join(shown) + continuation == tok.decode(out)
+                return
+    pytest.fail("no candidate put text and a held byte in one chunk")
+
+
+def test_held_ids_leaves_a_whole_seam_alone(tiny_model):
+    tok = Tokenizer.from_dir(tiny_model)
+    calls = []
+
+    async def decode(ids: list[int]) -> str:
+        calls.append(ids)
+        return tok.decode(ids)
+
+    ids = tok.encode("the cache block", add_special_tokens=False)
+    assert asyncio.run(held_ids(ids, 3, decode)) == 0
+    assert len(calls) == 1 and calls[0] == ids[-len(calls[0]):]
