@@ -131,6 +131,7 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from proxy.app import build_app
+    from proxy.http_server import CoalescingHttpToolsProtocol
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -139,7 +140,8 @@ def main(args: argparse.Namespace) -> int:
     # uvloop and httptools (C event loop, C HTTP parser): the proxy is one more HTTP hop on
     # every request's TTFT, and asyncio+h11 cost about 2 ms more per request here
     uvicorn.run(build_app(config), fd=sock.fileno(), log_level=args.log_level,
-                access_log=False, timeout_graceful_shutdown=5, loop="uvloop", http="httptools")
+                access_log=False, timeout_graceful_shutdown=5, loop="uvloop",
+                http=CoalescingHttpToolsProtocol)
     return 0
 
 
