@@ -83,13 +83,28 @@ def eligible(route: str, body: dict[str, Any]) -> bool:
     client = body.get("kv_transfer_params")
     if isinstance(client, dict) and client.get("first_token") is False:
         return False
-    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
+    if not (_one(body.get("n")) and _one(body.get("best_of"))):
+        return False
+    # The fields P's leg replaces (proxy/legs.py prefill_leg_body) are judged by D alone: a
+    # value the engine refuses (`true` for 1, 0, 1.0) must get D's 400, not P's answer
+    # (the race P's answer could win when it ends the request, or its early token).
+    if not (_count(body.get("max_tokens"), 1) and _count(body.get("max_completion_tokens"), 1)
+            and _count(body.get("min_tokens"), 0)):
         return False
     if body.get("echo") or body.get("tools"):
         return False
     prompt = body.get("prompt")
     return route == CHAT or isinstance(prompt, str) or (
         isinstance(prompt, list) and set(map(type, prompt)) <= _TOKEN_TYPES)
+
+
+def _one(value: Any) -> bool:
+    return value is None or (type(value) is int and value == 1)
+
+
+def _count(value: Any, least: int) -> bool:
+    """None, or an int (not a bool: JSON's true) of at least `least`."""
+    return value is None or (type(value) is int and value >= least)
 
 
 def stop_hold(body: dict[str, Any]) -> int:
