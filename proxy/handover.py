@@ -91,6 +91,10 @@ def eligible(route: str, body: dict[str, Any]) -> bool:
     if not (_count(body.get("max_tokens"), 1) and _count(body.get("max_completion_tokens"), 1)
             and _count(body.get("min_tokens"), 0)):
         return False
+    stream = body.get("stream")
+    if not (stream is None or isinstance(stream, bool)) or (
+            body.get("stream_options") is not None and stream is not True):
+        return False  # P's leg sets `stream` and drops `stream_options` unless it streams
     if body.get("echo") or body.get("tools"):
         return False
     prompt = body.get("prompt")

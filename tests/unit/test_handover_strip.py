@@ -68,8 +68,10 @@ def test_what_colocated_holds_back_and_what_ends_on_token_1():
     # (CI: `max_tokens: true` got P's one-token answer, 200, when P answered before D's 400)
     for field, bad in (("max_tokens", True), ("max_tokens", 0), ("max_tokens", 1.0),
                        ("max_completion_tokens", True), ("min_tokens", False),
-                       ("min_tokens", -1), ("n", True), ("best_of", True), ("n", "1")):
+                       ("min_tokens", -1), ("n", True), ("best_of", True), ("n", "1"),
+                       ("stream", 1), ("stream", "maybe"), ("stream_options", {})):
         assert not eligible("completions", {"prompt": "hi", field: bad}), (field, bad)
     assert eligible("completions", {"prompt": "hi", "max_tokens": 1, "min_tokens": 0,
                                     "n": 1, "best_of": 1})
     assert eligible("chat", {"max_completion_tokens": 3, "max_tokens": None})
+    assert eligible("chat", {"stream": True, "stream_options": {"include_usage": True}})
