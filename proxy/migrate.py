@@ -271,9 +271,10 @@ class MigratingStream:
 
     async def _settle_seam(self, lease: Lease, headers: dict[str, str]) -> None:
         """Move ids D still held back in the last chunk with text from sent to pending (see
-        the module doc); once a migration. A D that cannot answer leaves the seam as it is."""
+        the module doc). A D that cannot answer leaves the seam to the next D tried, and the
+        last one to the chunks' text."""
         plan, d = self.plan, self.migrator.dispatcher
-        span, plan.last_ids = plan.last_ids - 1, 0
+        span = plan.last_ids - 1
         if span <= 0:
             return
         model = self.ctx.body.get("model")
@@ -290,10 +291,11 @@ class MigratingStream:
             held = await held_ids(plan.sent, span, decode)
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError,
                 msgspec.DecodeError) as exc:
-            logger.warning("request %s: %s/detokenize failed (%s: %s); the seam is taken as "
-                           "the chunks' text shows it", self.ctx.request_id, lease.url,
+            logger.warning("request %s: %s/detokenize failed (%s: %s); the seam stays as the "
+                           "chunks' text shows it", self.ctx.request_id, lease.url,
                            type(exc).__name__, exc)
             return
+        plan.last_ids = 0  # settled: the ids left in `sent` have their text whole
         if held:
             plan.pending = plan.sent[-held:] + plan.pending
             del plan.sent[-held:]
