@@ -39,11 +39,10 @@ from starlette.responses import Response
 from proxy.backends import Lease
 from proxy.errors import ProxyError
 from proxy.handover_leg import HandoverLeg, Head, strip_first
-from proxy.legs import CHAT, DecodeStream, PrefillResult, next_chunk
+from proxy.legs import CHAT, REPLACEMENT, DecodeStream, PrefillResult, next_chunk
 
 logger = logging.getLogger("pdserve.proxy")
 
-_REPLACEMENT = "\ufffd"
 _LENGTH = b'"finish_reason":"length"'
 _TOKEN_TYPES = {int, bool}  # what isinstance(t, int) takes from JSON; judged in C (hot path)
 
@@ -213,7 +212,7 @@ class Handover:
 
     def _early(self, ctx: RequestContext, head: Head, opening: asyncio.Task[DecodeStream],
                d_lease: Lease, prefill: asyncio.Task[PrefillResult] | None) -> Response | None:
-        if head.finish != "length" or stop_hold(ctx.body) or head.text.endswith(_REPLACEMENT):
+        if head.finish != "length" or stop_hold(ctx.body) or head.text.endswith(REPLACEMENT):
             self.counter.labels(path="decode").inc()
             return None  # colocated sends token 1 otherwise: D's stream carries it
         self.counter.labels(path="early").inc()

@@ -53,16 +53,20 @@ class _CoalescingSend:
     async def __call__(self, message: Any) -> None:
         kind = message["type"]
         if kind == "http.response.start" and not self.cycle.response_started:
-            self.head = b"".join(await self._held_send(message))
+            self.head = b"".join((await self._held_send(message)).data)
         elif self.head and kind == "http.response.body":
             head, self.head = self.head, b""
-            await self._held_send(message, head)
+            held = await self._held_send(message)
+            transport = self.cycle.transport
+            if not self.cycle.disconnected:
+                transport.write(b"".join([head, *held.data]))  # one segment
+            if held.closed:
+                transport.close()
         else:
             await RequestResponseCycle.send(self.cycle, message)
 
-    async def _held_send(self, message: Any, head: bytes = b"") -> list[bytes]:
-        """uvicorn's send of `message` with its writes held: a start's are returned, a
-        body's written at once after `head`, as one segment."""
+    async def _held_send(self, message: Any) -> _Held:
+        """uvicorn's send of `message`, with what it writes (or closes) held."""
         cycle = self.cycle
         if cycle.flow.write_paused and not cycle.disconnected:
             await cycle.flow.drain()  # uvicorn's own wait, before the swap: none inside it
@@ -72,10 +76,4 @@ class _CoalescingSend:
             await RequestResponseCycle.send(cycle, message)
         finally:
             cycle.transport = transport
-        if message["type"] == "http.response.start":
-            return held.data
-        if not cycle.disconnected:
-            transport.write(b"".join([head, *held.data]))
-        if held.closed:
-            transport.close()
-        return []
+        return held

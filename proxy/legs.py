@@ -26,6 +26,7 @@ from proxy.metrics import mark_backend_byte, mark_leg_sent
 CHAT = "chat"
 COMPLETIONS = "completions"
 ROUTE_PATHS = {COMPLETIONS: "/v1/completions", CHAT: "/v1/chat/completions"}
+REPLACEMENT = "\ufffd"  # a decode's text for half a UTF-8 character (an engine holds it back)
 
 
 def new_id() -> str:

@@ -41,6 +41,7 @@ from proxy.backends import Lease
 from proxy.errors import ProxyError
 from proxy.legs import (
     CHAT,
+    REPLACEMENT,
     DecodeStream,
     new_id,
     next_chunk,
@@ -72,7 +73,6 @@ _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 
 _COMPLETIONS_PATH = "/v1/completions"
-_REPLACEMENT = "\ufffd"  # what a decode gives for half a UTF-8 character
 _IDS = ("token_ids", "prompt_token_ids")
 # Sampling fields a chat request shares with a completions continuation.
 _SHARED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",
@@ -333,7 +333,7 @@ async def held_ids(sent: list[int], span: int,
     held = 0
     while held < span:
         end = len(sent) - held
-        if not (await decode(sent[max(0, end - span - 8):end])).endswith(_REPLACEMENT):
+        if not (await decode(sent[max(0, end - span - 8):end])).endswith(REPLACEMENT):
             break
         held += 1
     return held
