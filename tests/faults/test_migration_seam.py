@@ -11,21 +11,19 @@ continues on a real engine server. The client's text equals the colocated answer
 from __future__ import annotations
 
 import json
-import socket
-import threading
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from pd_harness import TEST_ENV, metric, start_proxy, wait_until
+from migration_kit import merged_events
+from pd_harness import TEST_ENV, metric, start_proxy
+from server_thread import ServerThread
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from engine import LLM, SamplingParams
-from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.models.tokenizer import Tokenizer
 from pdserve.launcher import launch_server
 
@@ -33,27 +31,9 @@ MAX_TOKENS = 48
 _REPLACEMENT = "\ufffd"
 
 
-def _merged_events(tok: Tokenizer, prompt: list[int], out: list[int]) -> list[dict[str, Any]]:
-    """D's events for `out` when its reader lags: two tokens an event, text and ids merged."""
-    det = IncrementalDetokenizer(tok, prompt, SamplingParams(max_tokens=len(out)))
-    events = []
-    for i in range(0, len(out), 2):
-        ids, text = out[i:i + 2], ""
-        for t in ids:
-            det.update([t], False)
-            text += det.get_next_output_text(False, True)
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
-                                  "finish_reason": None, "token_ids": ids}
-        if i == 0:
-            choice["prompt_token_ids"] = prompt
-        events.append({"id": "cmpl-dying", "object": "text_completion", "created": 1,
-                       "model": "m", "choices": [choice]})
-    return events
-
-
 def _held_cut(tok: Tokenizer, prompt: list[int], out: list[int]) -> int | None:
     """A number of events after which the last event had text and its last id still held."""
-    events = _merged_events(tok, prompt, out)
+    events = merged_events(tok, prompt, out)
     for cut in range(1, len(events)):
         last = events[cut - 1]["choices"][0]
         ids = [t for e in events[:cut] for t in e["choices"][0]["token_ids"]]
@@ -85,14 +65,10 @@ class DyingDecode:
 
     def __init__(self, events: list[dict[str, Any]]) -> None:
         self.events, self.legs = events, 0
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         app = Starlette(routes=[Route("/health", self.health),
                                 Route("/v1/completions", self.complete, methods=["POST"])])
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="critical"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True)
+        self.server = ServerThread(app, "dying-decode", log_level="critical", lifespan="off")
+        self.url = self.server.url
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
@@ -111,19 +87,18 @@ class DyingDecode:
 def test_a_held_character_at_the_seam_reaches_the_client_whole(tiny_model):
     prompt, ids, want, cut = _case(tiny_model)
     tok = Tokenizer.from_dir(tiny_model)
-    events = _merged_events(tok, prompt, ids)[:cut]
+    events = merged_events(tok, prompt, ids)[:cut]
     shown = "".join(e["choices"][0]["text"] for e in events)
     sent = [t for e in events for t in e["choices"][0]["token_ids"]]
     assert not want.startswith(shown + tok.decode(ids[len(sent):])), \
         "continuing after every relayed id would lose text (the case under test)"
     dying = DyingDecode(events)
-    dying.thread.start()
+    dying.server.start()
     engine = launch_server(tiny_model, "--served-model-name", "m", "--num-kv-blocks", "256",
                            "--max-model-len", "512",
                            env=TEST_ENV)
     proxy = None
     try:
-        wait_until(lambda: dying.server.started, 10, "the scripted D")
         # D alone (no P leg: every prompt is "short"), the scripted D first of the two
         proxy = start_proxy([engine.url], [dying.url, engine.url], "push",
                             "--tokenizer", tiny_model, "--disagg-min-tokens", "100000")
@@ -146,5 +121,4 @@ def test_a_held_character_at_the_seam_reaches_the_client_whole(tiny_model):
         if proxy is not None:
             proxy.stop()
         engine.stop()
-        dying.server.should_exit = True
-        dying.thread.join(10)
+        dying.server.stop()

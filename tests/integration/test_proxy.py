@@ -29,10 +29,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pd_harness import wait_until
+from server_thread import ServerThread
 
 from proxy.app import build_app
 from proxy.backends import BackendPool
@@ -241,29 +241,6 @@ class FakeBackend:
             leg.finish("completed")
         finally:
             leg.finish("cancelled")
-
-
-class ServerThread:
-    """A real uvicorn server on a free loopback port, in a thread of its own."""
-
-    def __init__(self, app: FastAPI, name: str) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                                    timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       name=f"uvicorn-{name}", daemon=True)
-
-    def start(self) -> ServerThread:
-        self.thread.start()
-        wait_until(lambda: self.server.started, what=f"server {self.url} to start")
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 @dataclass

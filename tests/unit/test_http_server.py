@@ -7,8 +7,7 @@ import asyncio
 import socket
 import threading
 
-import uvicorn
-from pd_harness import wait_until
+from server_thread import ServerThread
 
 from proxy.http_server import CoalescingHttpToolsProtocol
 
@@ -25,13 +24,7 @@ def _serve(started: threading.Event, go: threading.Event):
         await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
         await send({"type": "http.response.body", "body": b"data: 2\n\n", "more_body": False})
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, http=CoalescingHttpToolsProtocol,
-                                           lifespan="off", log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    return server, thread, sock.getsockname()
+    return ServerThread(app, "coalescing", http=CoalescingHttpToolsProtocol, lifespan="off")
 
 
 def _read_response(conn: socket.socket) -> bytes:
@@ -45,10 +38,9 @@ def _read_response(conn: socket.socket) -> bytes:
 
 def test_headers_leave_with_the_first_body_bytes_not_before():
     started, go = threading.Event(), threading.Event()
-    server, thread, addr = _serve(started, go)
+    server = _serve(started, go).start()
     try:
-        wait_until(lambda: server.started, 30, "the server to start")
-        with socket.create_connection(addr, timeout=30) as conn:
+        with socket.create_connection(server.address, timeout=30) as conn:
             conn.sendall(REQUEST)
             assert started.wait(30), "the app sent its response start"
             conn.setblocking(False)
@@ -73,5 +65,4 @@ def test_headers_leave_with_the_first_body_bytes_not_before():
             assert second.startswith(b"HTTP/1.1 200 OK\r\n") and b"data: 2" in second
     finally:
         go.set()
-        server.should_exit = True
-        thread.join(10)
+        server.stop()

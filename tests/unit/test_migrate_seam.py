@@ -11,6 +11,7 @@ import copy
 from typing import Any
 
 import pytest
+from migration_kit import merged_events
 
 from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.models.tokenizer import Tokenizer
@@ -106,24 +107,6 @@ def test_a_continuation_event_reads_as_the_clients_chat_answer():
     assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
 
 
-def _merged_events(tok: Tokenizer, prompt: list[int], out: list[int],
-                   first: int) -> list[dict[str, Any]]:
-    """What a D streams when its reader lags: one event for out[:first], then two tokens an
-    event (the collector merges the deltas not yet taken: text and ids concatenated)."""
-    det = IncrementalDetokenizer(tok, prompt, SamplingParams(max_tokens=len(out)))
-    groups = [out[:first]] + [out[i:i + 2] for i in range(first, len(out), 2)]
-    events = []
-    for ids in groups:
-        text = ""
-        for t in ids:
-            det.update([t], False)
-            text += det.get_next_output_text(False, True)
-        events.append({"id": "cmpl-a", "created": 7, "model": "m", "choices": [
-            {"index": 0, "text": text, "token_ids": ids, "finish_reason": None}]})
-    events[0]["choices"][0]["prompt_token_ids"] = prompt
-    return events
-
-
 def test_a_merged_chunk_with_text_and_a_held_byte_keeps_the_character(tiny_model):
     """CI caught this: D merged "…fi" and the first byte of the next character into one
     chunk; counting both ids as sent lost the character's U+FFFD at the seam."""
@@ -136,7 +119,7 @@ def test_a_merged_chunk_with_text_and_a_held_byte_keeps_the_character(tiny_model
     for text in ("ka 😀 lo", "the 한국 cache", "zen 中文 block", "el café ta", "a ☃ b"):
         out = tok.encode(text, add_special_tokens=False)
         for first in range(1, len(out)):
-            events = _merged_events(tok, prompt, out, first)
+            events = merged_events(tok, prompt, out, first)
             for cut in range(1, len(events)):
                 plan, shown = Plan(client_ids=False), []
                 for event in events[:cut]:
