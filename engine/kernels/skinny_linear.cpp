@@ -190,6 +190,21 @@ struct Pairs<Avx512> {
 };
 #endif
 
+// n floats from a 64-byte boundary. A vector<float>'s data sits at 16 bytes, where every
+// other 32-byte load straddles two cache lines: with xs in one, bf16 at 4-16 rows of x read
+// 10-19 % less weight a second on a Zen 3 EPYC (AVX2, 1 thread; scripts/decode_kernels_ab.py).
+class LineAligned {
+ public:
+  explicit LineAligned(int64_t n) : buf_(static_cast<size_t>(n) + 16) {}
+  float* data() {
+    const auto p = reinterpret_cast<uintptr_t>(buf_.data());
+    return reinterpret_cast<float*>((p + 63) & ~static_cast<uintptr_t>(63));
+  }
+
+ private:
+  std::vector<float> buf_;
+};
+
 // x [M, K] bf16 -> xs [M, Kp] float32 (Kp: K rounded up to 2 * S, zeros after K), each block
 // of 2 * S values as S even ones then S odd ones.
 template <int S>
@@ -259,7 +274,7 @@ template <typename P>
 void run_pairs(const bf16* xp, const bf16* wp, bf16* yp, int64_t M, int64_t K, int64_t N) {
   constexpr int S = P::kStep, NB = Pairs<P>::kCols;
   const int64_t Kp = (K + 2 * S - 1) / (2 * S) * (2 * S);
-  std::vector<float> xs(static_cast<size_t>(M * Kp));
+  LineAligned xs(M * Kp);  // Kp is a multiple of 2 * S: every row starts a line too
   widen_x<S>(xp, xs.data(), M, K, Kp);
   const int64_t tiles = (N + NB - 1) / NB;
   at::parallel_for(0, tiles, 16 * 4 / NB, [&](int64_t t0, int64_t t1) {
