@@ -5,7 +5,7 @@
 // straight from its [N, K] row-major layout: a tile of 3 weight rows (one vector-wide slice of
 // each per step) against up to 4 rows of x, 12 accumulators, a horizontal sum at the end; for
 // at most kSequentialRows rows of x one weight row at a time (a single sequential stream,
-// software-prefetched ahead on AVX2). A tile's first pass prefetches the next tile's rows.
+// software-prefetched ahead on AVX2). A tile's passes over x prefetch the next tile's rows.
 // The weight rows are split over threads with at::parallel_for.
 //
 // float32 and bfloat16 (x and w of the same dtype; bf16 accumulates in float32 and rounds the
@@ -42,12 +42,17 @@ using namespace simd;
 constexpr int64_t kSequentialRows = 3;
 
 // The float32 tile: kTileRows rows of x against kTileCols rows of w, 12 accumulators. With the
-// x vector held in a register that is AVX2's 16; GCC otherwise folds each x load into every
-// FMA that uses it, and at 3 x 4 (the old tile) the 16 loads a step, not its 12 FMAs, were the
-// limit. Each tile's first pass over its rows of x prefetches the next tile's weight rows, a
-// few lines a step: the 3-4 short interleaved streams of a tile left the hardware prefetcher
-// behind. On a Zen 3 EPYC (AVX2, 1 thread, the bench model's matmuls, weights from DRAM)
-// 4 x 3 with the prefetch ran 1.3-1.45x the old 3 x 4 at 4-8 rows of x, 1.1-1.2x at 16-32
+// x vector and the 3 w vectors held in registers that is AVX2's 16, and a step loads 7 vectors
+// for its 12 FMAs. GCC otherwise folds each x (or w) load into every FMA that uses it, and the
+// 16 loads a step, not the 12 FMAs, are the limit: this core issues one 32-byte load a cycle
+// (x alone held: the old 3 x 4's limit). w is held too from 8 rows of x on (1.03-1.15x at
+// 8-32 rows; at 4 rows, one pass over w, 0.95x: that pass waits on memory). Each of a
+// tile's passes over its rows of x prefetches the next tile's weight rows, a few lines a
+// step: the 3-4 short interleaved streams of a tile left the hardware prefetcher behind, and
+// asking again in every pass (the lines already on their way cost only the hint) keeps the
+// memory busy through the whole tile (1.1-1.2x at 8-32 rows over the first pass alone). On a
+// Zen 3 EPYC (AVX2, 1 thread, the bench model's matmuls, weights from DRAM) 4 x 3 with the
+// first-pass prefetch ran 1.3-1.45x the old 3 x 4 at 4-8 rows of x, 1.1-1.2x at 16-32
 // (scripts/decode_kernels_ab.py).
 constexpr int kTileRows = 4, kTileCols = 3;
 
@@ -82,7 +87,8 @@ inline const char* next_tile(const T* w, int64_t t, int64_t t1, int64_t NB, int6
 // MB rows of x (stride K) against NB rows of w (stride K) into y (row stride N); where `next`
 // is given, the NB rows of w after these are prefetched along the way (only a hint: no
 // fault past the end).
-template <typename P, typename T, int MB, int NB>
+// HoldW: the NB w vectors of a step held in registers too (kTileRows above).
+template <typename P, typename T, int MB, int NB, bool HoldW = false>
 inline void tile(const T* x, const T* w, T* y, int64_t K, int64_t N,
                  const char* next = nullptr) {
   typename P::V acc[MB][NB];
@@ -94,7 +100,10 @@ inline void tile(const T* x, const T* w, T* y, int64_t K, int64_t N,
     if constexpr (NB == 1 && kPrefetchBytes<P> > 0)  // no fault past the end: only a hint
       __builtin_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetchBytes<P>);
     if (next != nullptr) prefetch_share(next, k * NB * sizeof(T), NB * P::kStep * sizeof(T));
-    for (int j = 0; j < NB; ++j) wv[j] = P::load(w + j * K + k);
+    for (int j = 0; j < NB; ++j) {
+      wv[j] = P::load(w + j * K + k);
+      if constexpr (HoldW) asm("" : "+v"(wv[j]));
+    }
     for (int i = 0; i < MB; ++i) {
       auto xv = P::load(x + i * K + k);
       if constexpr (NB > 1) asm("" : "+v"(xv));  // held in a register (kTileRows above)
@@ -127,13 +136,16 @@ inline void last_rows(const T* x, const T* w, T* y, int64_t rows, int64_t K, int
   }
 }
 
-// Every row of x against NB rows of w; the first pass prefetches `next` (see tile).
+// Every row of x against NB rows of w; each full pass prefetches `next` (see tile).
 template <typename P, typename T, int NB>
 inline void all_rows(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N,
                      const char* next = nullptr) {
   int64_t m = 0;
+  if (NB > 1 && M >= 2 * kTileRows)  // w held (kTileRows above)
+    for (; m + kTileRows <= M; m += kTileRows)
+      tile<P, T, kTileRows, NB, true>(x + m * K, w, y + m * N, K, N, next);
   for (; m + kTileRows <= M; m += kTileRows)
-    tile<P, T, kTileRows, NB>(x + m * K, w, y + m * N, K, N, m == 0 ? next : nullptr);
+    tile<P, T, kTileRows, NB>(x + m * K, w, y + m * N, K, N, next);
   last_rows<P, T, NB, kTileRows - 1>(x + m * K, w, y + m * N, M - m, K, N);
 }
 
