@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import re
 import time
@@ -37,7 +36,7 @@ from proxy.errors import ProxyError, error_body
 from proxy.flow import ClientGone, Dispatcher, RequestContext
 from proxy.kv_info import KVInfoCache
 from proxy.kv_subscriber import EventSubscriber
-from proxy.legs import CHAT, COMPLETIONS, ROUTE_PATHS, new_id
+from proxy.legs import CHAT, COMPLETIONS, ROUTE_PATHS, decode, new_id
 from proxy.metrics import CONTENT_TYPE, HopMiddleware, ProxyMetrics
 from proxy.passthrough import GET_ROUTES, POST_ROUTES, from_decode
 from proxy.relay import wait_for_disconnect
@@ -255,7 +254,7 @@ async def _read_json_body(request: Request, limit: int, request_id: str) -> dict
     if not buf.strip():
         raise ProxyError(400, f"request {request_id}: the request needs a JSON body")
     try:
-        body = json.loads(buf)
+        body = decode(buf)
     except ValueError as exc:
         raise ProxyError(400, f"request {request_id}: malformed JSON body: {exc}") from None
     except RecursionError:

@@ -371,11 +371,33 @@ class Dispatcher:
         *,
         on_give_up: list[asyncio.Task[Any]],
         what: str,
+        wake: asyncio.Future[None] | None = None,
     ) -> None:
         """Wait until one of `tasks` is done. On client disconnect or deadline, cancel
-        `on_give_up` and raise ClientGone / a 504 ProxyError."""
-        done, _ = await asyncio.wait(tasks | {ctx.disconnect}, timeout=max(0.0, ctx.remaining()),
-                                     return_when=asyncio.FIRST_COMPLETED)
+        `on_give_up` and raise ClientGone / a 504 ProxyError.
+
+        `wake`: a future the awaited event's producer resolves itself (HandoverLeg.wake: P's
+        head), so that it wakes this task in one turn of the loop; asyncio.wait takes two (a
+        done-callback, then the waiter's), during which P's reader goes on parsing."""
+        watched = [*tasks, ctx.disconnect]
+        if not any(task.done() for task in watched):
+            loop = asyncio.get_running_loop()
+            waker = wake if wake is not None and not wake.done() else loop.create_future()
+
+            def fire(_: Any = None) -> None:
+                if not waker.done():
+                    waker.set_result(None)
+
+            for task in watched:
+                task.add_done_callback(fire)
+            timer = loop.call_later(max(0.0, ctx.remaining()), fire)
+            try:
+                await waker
+            finally:
+                timer.cancel()
+                for task in watched:
+                    task.remove_done_callback(fire)
+        done = any(task.done() for task in tasks)
         if ctx.disconnect.done():
             for task in on_give_up:
                 task.cancel()

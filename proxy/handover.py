@@ -60,7 +60,8 @@ class Dispatcher(Protocol):  # proxy/flow.py's
     migrator: Any
 
     async def _wait(self, ctx: Any, tasks: set[asyncio.Future[Any]], *,
-                    on_give_up: list[asyncio.Task[Any]], what: str) -> None: ...
+                    on_give_up: list[asyncio.Task[Any]], what: str,
+                    wake: asyncio.Future[None] | None = None) -> None: ...
 
     def _relay(self, ctx: Any, stream: Any, prefill: Any, *, migrate: bool = True
                ) -> Response: ...
@@ -159,12 +160,13 @@ class Handover:
                     prefill: asyncio.Task[PrefillResult], opening: asyncio.Task[DecodeStream],
                     d_lease: Lease) -> Response | None:
         """P's answer alone, or P's head then D's stream; None: go on as before (D whole)."""
-        if not eligible(ctx.route, ctx.body):
+        if leg is None and not eligible(ctx.route, ctx.body):  # (a leg was judged eligible)
             return None
         first: asyncio.Future[Any] = leg.head if leg is not None else prefill
         try:
             await self.d._wait(ctx, {first, opening}, on_give_up=[opening, prefill],
-                               what=f"decode backend {d_lease.url}")
+                               what=f"decode backend {d_lease.url}",
+                               wake=leg.wake if leg is not None else None)
         except BaseException:
             await discard(opening)
             prefill.cancel()

@@ -41,6 +41,10 @@ class HandoverLeg:
 
     head: asyncio.Future[Head | None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
+    # resolved with `head` by the reader itself: the waiting request's task wakes in one
+    # turn of the loop (flow.Dispatcher._wait)
+    wake: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
     events: list[bytes] = field(default_factory=list)  # all but the kv_transfer_params event
     kv_params: Any = None
     complete: bool = False  # [DONE] seen
@@ -72,10 +76,16 @@ class HandoverLeg:
         created = obj.get("created")
         self.head.set_result(Head(list(self.events), choice.get("finish_reason"), text or "",
                                   created if isinstance(created, int) else 0, self.headers))
+        self._wake()
 
     def end(self) -> None:
         if not self.head.done():
             self.head.set_result(None)
+            self._wake()
+
+    def _wake(self) -> None:
+        if not self.wake.done():
+            self.wake.set_result(None)
 
 
 def _data(event: bytes) -> Any:
@@ -100,7 +110,12 @@ async def run_prefill_stream(
             while b"\n\n" in buffer:
                 event, buffer = buffer.split(b"\n\n", 1)
                 mark_backend_byte()  # P's head is relayed as it arrives
+                headless = not leg.head.done()
                 leg.feed(event + b"\n\n")
+                if headless and leg.head.done():
+                    # the request's task, woken by the head, writes it to the client
+                    # before P's next events (often in the same read) are parsed
+                    await asyncio.sleep(0)
         return b""
 
     result = await post_prefill(client, pool, lease, path, body, headers, timeout, read,

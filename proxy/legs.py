@@ -12,10 +12,12 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from kvconnector.params import DECODE_FLAG, PREFILL_FLAG, PrefillLeg, PushDecodeLeg
 from proxy.backends import BackendPool, Lease
@@ -108,8 +110,31 @@ def decode_leg_body(body: dict[str, Any], kv_params: dict[str, Any] | None,
     return leg
 
 
+_STRICT = msgspec.json.Decoder()
+# Set in a request's task (its legs' tasks inherit it) when its body needed json's extensions.
+_LENIENT: ContextVar[bool] = ContextVar("pdserve_proxy_lenient_json", default=False)
+
+
+def decode(data: bytes | bytearray) -> Any:
+    """A client's JSON body. msgspec's strict parser first (a third of json's time: 27 vs
+    74 us for 1024 token ids, on the proxy's hop); what only json accepts (NaN, Infinity,
+    1e999) goes to json, and the request's legs are then encoded by json too (`encode`),
+    so the engines see the values the client sent. Raises json's ValueError for malformed
+    JSON, RecursionError for JSON nested too deeply."""
+    try:
+        return _STRICT.decode(data)
+    except msgspec.MsgspecError:
+        value = json.loads(data)
+        _LENIENT.set(True)
+        return value
+
+
 def encode(body: dict[str, Any]) -> bytes:
-    return json.dumps(body, separators=(",", ":")).encode()
+    """A leg's body: msgspec (5 vs 75 us for 1024 ids) writes the same values as json, except
+    a non-finite float (as null), which only a body `decode` gave to json can hold."""
+    if _LENIENT.get():
+        return json.dumps(body, separators=(",", ":")).encode()
+    return msgspec.json.encode(body)
 
 
 # ---- prefill leg --------------------------------------------------------------------------
