@@ -7,6 +7,8 @@ requests sent one at a time, in turn, each with a fresh random prompt (no prefix
   seeded     through the proxy: D starts from P's first token (this issue)
   recompute  through the proxy with kv_transfer_params {"first_token": false}: today's
              handover, D computes the last prompt position again
+  baseline   (with --baseline-tree) seeded, through the same proxy run from another checkout
+             on the same engines: a proxy change before/after in one run
 TTFT is the arrival of the first chunk that carries text; the gap is the next such chunk.
 The client keeps its connections open (one httpx.Client, as the openai client does): a new
 client per request costs ~40 ms of SSL-context and connection set-up before the request is
@@ -18,6 +20,7 @@ P's metrics between requests) and the proxy modes' median of it minus the coloca
 Writes bench/results/first_token.json (or --out).
 
   .venv/bin/python scripts/bench_first_token.py [--pin] [--rounds 15] [--lengths 128 1024]
+      [--baseline-tree DIR]
 """
 
 from __future__ import annotations
@@ -37,7 +40,12 @@ from engine.net import free_port
 from pdserve.bench.machine import cpu_info
 from pdserve.launcher import ServerProcess, launch_server
 
-MODES = ("colocated", "seeded", "recompute")
+MODES = ("colocated", "seeded", "recompute", "baseline")
+_FROM_TREE = """import sys
+sys.path.insert(0, {tree!r})
+from proxy.cli import run
+sys.exit(run(sys.argv[1:]))
+"""
 
 
 def _role(module: str, model: str, engine_id: str, env: dict[str, str]) -> ServerProcess:
@@ -111,7 +119,9 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 1024])
     ap.add_argument("--pin", action="store_true", help="P on core 0, D on core 1")
     ap.add_argument("--out", default="bench/results/first_token.json")
+    ap.add_argument("--baseline-tree", help="also the proxy of this checkout (mode baseline)")
     a = ap.parse_args()
+    modes = MODES if a.baseline_tree else MODES[:3]
     env = {"OMP_NUM_THREADS": "1"}
     p = _role("prefill", a.model, "P0", env)
     d = _role("decode", a.model, "D0", env)
@@ -122,54 +132,63 @@ def main() -> None:
             s.wait_healthy(300)
         _pin(p, 0 if a.pin else None)
         _pin(d, 1 if a.pin else None)
-        port = free_port()
-        proxy = ServerProcess([sys.executable, "-m", "proxy", "--host", "127.0.0.1", "--port",
-                               str(port), "--mode", "push", "--prefill", p.url, "--decode",
-                               d.url, "--log-level", "warning",
-                               # a pinned engine on a loaded host answers health checks late:
-                               # it must not leave rotation (a 503) in the middle of a round
-                               "--health-timeout", "30"], "127.0.0.1", port,
-                              {**os.environ, **env}, None)
-        procs.append(proxy)
-        proxy.wait_healthy(60)
+        def start_proxy(run: list[str]) -> ServerProcess:
+            port = free_port()
+            proxy = ServerProcess([sys.executable, *run, "--host", "127.0.0.1", "--port",
+                                   str(port), "--mode", "push", "--prefill", p.url, "--decode",
+                                   d.url, "--log-level", "warning",
+                                   # a pinned engine on a loaded host answers health checks
+                                   # late: it must not leave rotation (a 503) mid-round
+                                   "--health-timeout", "30"], "127.0.0.1", port,
+                                  {**os.environ, **env}, None)
+            procs.append(proxy)
+            proxy.wait_healthy(60)
+            return proxy
+
+        proxy = start_proxy(["-m", "proxy"])
+        base = proxy if not a.baseline_tree else start_proxy(
+            ["-c", _FROM_TREE.format(tree=os.path.abspath(a.baseline_tree))])
         rng = random.Random(28)
         load_start = os.getloadavg()
         results: dict = {}
         for n in a.lengths:
-            rows: dict[str, list] = {m: [] for m in MODES}
-            outside: dict[str, list[float]] = {m: [] for m in MODES}  # TTFT minus P's own
+            rows: dict[str, list] = {m: [] for m in modes}
+            outside: dict[str, list[float]] = {m: [] for m in modes}  # TTFT minus P's own
             for i in range(a.rounds + 1):  # round 0 warms every path up
-                for mode in MODES:
+                for mode in modes:
                     body = {"model": "m", "prompt": [rng.randrange(4, 8000) for _ in range(n)],
                             "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
                     if mode == "recompute":
                         body["kv_transfer_params"] = {"first_token": False}
-                    url = p.url if mode == "colocated" else proxy.url
+                    url = {"colocated": p.url, "baseline": base.url}.get(mode, proxy.url)
                     before = p_ttft_sum(client, p.url)
                     ttft, gap = _stream(client, url, body)
                     if i:
                         rows[mode].append((ttft, gap))
                         outside[mode].append(ttft - (p_ttft_sum(client, p.url) - before))
-            med = {m: statistics.median(t for t, _ in rows[m]) for m in MODES}
-            gaps = {m: statistics.median(g for _, g in rows[m] if g is not None) for m in MODES}
+            med = {m: statistics.median(t for t, _ in rows[m]) for m in modes}
+            gaps = {m: statistics.median(g for _, g in rows[m] if g is not None) for m in modes}
             paired = {m: statistics.median(rows[m][k][0] - rows["colocated"][k][0]
-                                           for k in range(a.rounds)) for m in MODES[1:]}
+                                           for k in range(a.rounds)) for m in modes[1:]}
             results[str(n)] = {
                 "median_ttft_ms": {m: round(v * 1e3, 2) for m, v in med.items()},
                 "paired_minus_colocated_ms": {m: round(v * 1e3, 2) for m, v in paired.items()},
                 "ttft_ratio_to_colocated": {m: round(med[m] / med["colocated"], 4)
-                                            for m in MODES[1:]},
+                                            for m in modes[1:]},
                 "token1_to_token2_ms": {m: round(v * 1e3, 2) for m, v in gaps.items()},
-                "ttft_ms_by_round": {m: [round(t * 1e3, 2) for t, _ in rows[m]] for m in MODES},
+                "ttft_ms_by_round": {m: [round(t * 1e3, 2) for t, _ in rows[m]] for m in modes},
                 # P's prefill swings +-10 % between requests here (808-1214 ms at 1024
                 # tokens): a request's TTFT minus P's own TTFT for it (P's metrics, read
                 # between requests) is the time spent outside P, without that swing
                 "outside_p_median_ms": {m: round(statistics.median(outside[m]) * 1e3, 2)
-                                        for m in MODES},
+                                        for m in modes},
+                # P's own TTFT (its metrics) for the same requests: what P's side adds
+                "p_ttft_median_ms": {m: round(statistics.median(
+                    t - o for (t, _), o in zip(rows[m], outside[m])) * 1e3, 2) for m in modes},
                 "outside_p_minus_colocated_ms": {
                     m: round((statistics.median(outside[m])
                               - statistics.median(outside["colocated"])) * 1e3, 2)
-                    for m in MODES[1:]},
+                    for m in modes[1:]},
             }
             print(n, json.dumps(results[str(n)]), flush=True)
         seeded = sum(float(ln.rsplit(" ", 1)[1]) for ln in
@@ -179,6 +198,8 @@ def main() -> None:
                "cpu": cpu_info()["model_name"],
                "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg(),
                "d_seeded_total": seeded, "proxy_hop": proxy_hop_ms(proxy.url),
+               "baseline_tree": a.baseline_tree,
+               "baseline_hop": proxy_hop_ms(base.url) if a.baseline_tree else None,
                "results": results}
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
         with open(a.out, "w") as f:
