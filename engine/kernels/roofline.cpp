@@ -11,8 +11,11 @@
 // widest vectors present are used (AVX-512, else AVX2+FMA, else scalar floats: the build is
 // -march=native, so "present" is this CPU).
 // bf16 peak: 16 chains of vdpbf16ps (2 bf16 products per fp32 lane): iters * 16 * 16 * 4 FLOP.
-// Clock: a chain of dependent integer adds (one a cycle on every x86 core), 8 per loop pass,
-// so the FMA rate can be checked against issue width x clock (`fma_per_cycle`).
+// Clock: a chain of dependent register-register integer adds (one a cycle on every x86 core),
+// 8 per loop pass, so the FMA rate can be checked against issue width x clock
+// (`fma_per_cycle`). Not `add $1`: Intel's Golden Cove cores (Sapphire / Emerald Rapids)
+// fold dependent adds of an immediate at rename, several a cycle (that chain read 11.9 GHz
+// on a 2.96 GHz Xeon, whose register adds and 3-cycle imul chains both read 2.96).
 // Streaming read: each thread sums its contiguous share of a buffer with 4 independent vector
 // accumulators, so the loads are the only limit.
 #include <torch/extension.h>
@@ -140,12 +143,13 @@ double bf16_dot_seconds(int64_t threads, int64_t iters) {
 double clock_seconds(int64_t threads, int64_t iters) {
 #if defined(__x86_64__)
   return timed_parallel(static_cast<int>(threads), [&](int t) {
-    uint64_t x = static_cast<uint64_t>(t);
+    uint64_t x = static_cast<uint64_t>(t), one = 1;
     for (int64_t i = 0; i < iters; ++i)
       asm volatile(
-          "add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\t"
-          "add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0"
-          : "+r"(x));
+          "add %1, %0\n\tadd %1, %0\n\tadd %1, %0\n\tadd %1, %0\n\t"
+          "add %1, %0\n\tadd %1, %0\n\tadd %1, %0\n\tadd %1, %0"
+          : "+r"(x)
+          : "r"(one));
     g_sink = static_cast<float>(x);
   });
 #else
