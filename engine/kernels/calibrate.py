@@ -9,7 +9,10 @@
   that noise decided (one such, at 128 rows, put 1-thread 128-token prefills of the bench
   model on the kernel at 1.26x their gemm time);
 - the float32 gemm: oneDNN's matmul against F.linear (MKL) on GEMM_ROWS rows, per thread
-  count; and the compiled sgemm (sgemm.cpp) against that choice, per thread count and path.
+  count; and the compiled sgemm (sgemm.cpp) against that choice, per thread count and path;
+- the bf16 gemm: from how many rows (WIDEN_ROWS, largest first: the smallest count from which
+  it wins at every larger one; 0 where it loses at the largest) the float32 gemm on widened
+  operands beats F.linear's bf16 (oneDNN), per thread count and path.
 
 A measurement is trustworthy only on a machine that leaves it alone (a calibration taken at
 load 15 once made offline fp32 3x slower until measured again). So candidates are timed
@@ -61,6 +64,7 @@ logger = logging.getLogger(__name__)
 CALIBRATION_SHAPE = (4096, 1024)  # [out, in]: 16 MiB in float32, 8 MiB in bf16
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 GEMM_ROWS = 256  # a prefill chunk's rows, well past every skinny threshold
+WIDEN_ROWS = (512, 256, 128, 64)  # bf16 gemms widened to float32 from one of these rows on
 ROUNDS = 7
 AGREE = 0.15
 MAX_WAIT = 0.05
@@ -296,6 +300,30 @@ def measure_gemm(first: Gemm, second: Gemm, stop_on_noise: bool = True) -> Measu
     return Measured(int(a <= b), noise)
 
 
+def measure_from(first: Gemm, second: Gemm, dtype: torch.dtype,
+                 stop_on_noise: bool = True) -> Measured:
+    """The smallest row count of WIDEN_ROWS from which `first` is not slower than `second`
+    at every larger one, on CALIBRATION_SHAPE weights of `dtype`; 0 where it loses at the
+    largest."""
+    if (noise := Watch.probe(torch.get_num_threads())) and stop_on_noise:
+        return Measured(None, noise)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(*CALIBRATION_SHAPE, generator=gen).to(dtype)
+    xs = [torch.randn(m, w.shape[1], generator=gen).to(dtype) for m in WIDEN_ROWS]
+    first(xs[0], w), second(xs[0], w)  # settles their own choices before the watch starts
+    watch, best = Watch(torch.get_num_threads()), 0
+    for m, x in zip(WIDEN_ROWS, xs, strict=True):
+        (a, b), noise2 = race([lambda x=x: first(x, w), lambda x=x: second(x, w)],
+                              watch if stop_on_noise else None)
+        noise = noise or noise2 or watch.noise()
+        if noise and stop_on_noise:
+            return Measured(None, noise)
+        if a > b:
+            break
+        best = m
+    return Measured(best, noise)
+
+
 # --- one process's view of the store ----------------------------------------------------
 
 
@@ -375,3 +403,7 @@ def gemm_key(threads: int) -> str:
 
 def sgemm_key(threads: int, isa: str) -> str:
     return f"float32:{threads}:{isa}:sgemm"
+
+
+def widen_key(threads: int, isa: str) -> str:
+    return f"bfloat16:{threads}:{isa}:widen"

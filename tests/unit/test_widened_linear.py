@@ -1,0 +1,79 @@
+"""bf16 gemms by the float32 gemm on widened operands (engine/kernels/linear.py
+`widened_linear`) and large_linear's measured choice of it (`widen_rows`).
+
+The widened gemm must equal x @ w^T + b in float64 to bf16 rounding, in one panel of weight
+rows and in many (a large model's matrix is widened a panel at a time); large_linear must
+take it from the measured row count on and F.linear below it or where it never pays; the
+choice is read from the store; and the measurement returns the smallest row count from which
+the widened gemm wins at every larger one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import calibrate
+from engine.kernels import linear as linear_mod
+
+
+def _operands(m: int, n: int, k: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16)
+    return x, w, b
+
+
+@pytest.mark.parametrize("panel", [None, 512 * 7, 512])  # one panel; 7 rows; 1 row a panel
+@pytest.mark.parametrize("bias", [False, True])
+def test_widened_linear_is_the_exact_gemm_rounded_to_bf16(monkeypatch, panel, bias):
+    if panel is not None:
+        monkeypatch.setattr(linear_mod, "WIDEN_PANEL", panel)
+    x, w, b = _operands(70, 45, 512, seed=3)
+    got = linear_mod.widened_linear(x, w, b if bias else None)
+    want = x.double() @ w.double().t() + (b.double() if bias else 0)
+    assert got.shape == (70, 45) and got.dtype == torch.bfloat16
+    # half a bf16 step of rounding (2**-9 relative), plus float32's summation error
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-3)
+
+
+@pytest.mark.parametrize("rows,m,widened", [(64, 100, True), (64, 50, False), (0, 300, False)])
+def test_large_linear_follows_the_measured_widen_rows(monkeypatch, rows, m, widened):
+    monkeypatch.setattr(linear_mod, "widen_rows", lambda threads: rows)
+    x, w, b = _operands(m, 40, 96, seed=5)
+    got = linear_mod.large_linear(x, w, b)
+    want = linear_mod.widened_linear(x, w, b) if widened else F.linear(x, w, b)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("stored", [0, 128])
+def test_widen_rows_are_read_from_the_store(tmp_path, monkeypatch, stored):
+    path = tmp_path / "k.thresholds.json"
+    monkeypatch.setattr(calibrate, "_store", lambda: path)
+    threads = torch.get_num_threads()
+    path.write_text(json.dumps({calibrate.widen_key(threads, linear_mod._isa()):
+                                {"v": stored, "at": time.time()}}))
+    linear_mod._widen.cache_clear()
+    try:
+        assert linear_mod.widen_rows(threads) == stored
+    finally:
+        linear_mod._widen.cache_clear()
+
+
+@pytest.mark.parametrize("from_rows", [512, 128, 0])
+def test_measure_from_finds_the_smallest_winning_rows(monkeypatch, from_rows):
+    monkeypatch.setattr(calibrate, "CALIBRATION_SHAPE", (64, 32))
+
+    def first(x, w):  # wins (no wait) from `from_rows` rows on
+        time.sleep(0 if from_rows and x.shape[0] >= from_rows else 0.004)
+
+    def second(x, w):
+        time.sleep(0.002)
+
+    got = calibrate.measure_from(first, second, torch.bfloat16, stop_on_noise=False)
+    assert got.value == from_rows
