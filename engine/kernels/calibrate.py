@@ -7,7 +7,10 @@
   its first win (at 1 row the BLAS gemv can tie it), 0 if it never wins. The first loss after
   that ends it: the kernel's lead only shrinks with rows, so a later "win" is a close race
   that noise decided (one such, at 128 rows, put 1-thread 128-token prefills of the bench
-  model on the kernel at 1.26x their gemm time);
+  model on the kernel at 1.26x their gemm time). A loss within TIE of the gemm is a tie: it
+  neither counts nor ends the count (on an Intel Xeon whose L3 holds the weight, MKL's gemv
+  tied the kernel at 1 and 2 rows, 0.99 and 1.01-1.03, then its gemm took 1.9-2.2x the
+  kernel's time at 4-8 rows: a threshold of 1 put batch-8 decodes on that gemm);
 - the float32 gemm: oneDNN's matmul against F.linear (MKL) on GEMM_ROWS rows, per thread
   count; and the compiled sgemm (sgemm.cpp) against that choice, per thread count and path;
 - the bf16 gemm: from how many rows (WIDEN_ROWS, largest first: the smallest count from which
@@ -67,6 +70,7 @@ GEMM_ROWS = 256  # a prefill chunk's rows, well past every skinny threshold
 WIDEN_ROWS = (512, 256, 128, 64)  # bf16 gemms widened to float32 from one of these rows on
 ROUNDS = 7
 AGREE = 0.15
+TIE = 0.05
 MAX_WAIT = 0.05
 MAX_OTHERS = 0.5
 PROBE_S = 0.1
@@ -277,7 +281,7 @@ def measure(kernel, dtype: torch.dtype, gemm: Gemm, stop_on_noise: bool = True) 
             return Measured(None, noise)
         if k <= t:
             best = m
-        elif best:
+        elif best and k > t * (1 + TIE):
             break
     return Measured(best, noise)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -140,6 +141,27 @@ def test_threshold_ends_at_the_first_loss_after_a_win(slow_at_one, monkeypatch):
     got = calibrate.measure(_NoisyKernel(16, slow_at_one), torch.float32,
                             linear_mod.large_linear, stop_on_noise=False)
     assert got.value == 16
+
+
+class _TiedKernel:
+    """Ties the gemm (`_sleep_gemm`) at 1 and 2 rows (2.5 % slower at 2), twice as fast from 4
+    to 32, slower from 64: MKL's gemv and gemm against the kernel on a Xeon whose L3 holds
+    the calibration weight."""
+
+    def skinny_linear(self, x, w):
+        m = x.shape[0]
+        time.sleep(0.0039 if m == 1 else 0.0041 if m == 2 else 0.002 if m <= 32 else 0.008)
+        return x
+
+
+def _sleep_gemm(x, w):
+    time.sleep(0.004)
+
+
+def test_a_tie_within_TIE_neither_counts_nor_ends_the_threshold(monkeypatch):
+    monkeypatch.setattr(calibrate, "CALIBRATION_SHAPE", (64, 32))
+    got = calibrate.measure(_TiedKernel(), torch.float32, _sleep_gemm, stop_on_noise=False)
+    assert got.value == 32
 
 
 def test_the_float32_gemm_is_the_one_measured_faster(monkeypatch):
