@@ -184,7 +184,8 @@ def main() -> None:
                                         for m in modes},
                 # P's own TTFT (its metrics) for the same requests: what P's side adds
                 "p_ttft_median_ms": {m: round(statistics.median(
-                    t - o for (t, _), o in zip(rows[m], outside[m])) * 1e3, 2) for m in modes},
+                    t - o for (t, _), o in zip(rows[m], outside[m], strict=True)) * 1e3, 2)
+                    for m in modes},
                 "outside_p_minus_colocated_ms": {
                     m: round((statistics.median(outside[m])
                               - statistics.median(outside["colocated"])) * 1e3, 2)

@@ -31,7 +31,7 @@ import time
 
 import httpx
 import psutil
-from bench_first_token import proxy_hop_ms
+from bench_first_token import _FROM_TREE, proxy_hop_ms
 
 from engine.net import free_port
 from pdserve.bench.machine import cpu_info
@@ -158,13 +158,6 @@ try:
 finally:
     prof.disable()
     prof.dump_stats({out!r})
-"""
-
-
-_FROM_TREE = """import sys
-sys.path.insert(0, {tree!r})
-from proxy.cli import run
-sys.exit(run(sys.argv[1:]))
 """
 
 
