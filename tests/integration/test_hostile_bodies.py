@@ -103,6 +103,10 @@ def test_lone_surrogates_are_400_naming_the_field_and_eject_no_backend(dep: Depl
             err = error_of(*proxy.post(path, json.dumps(body).encode()))
             assert err["param"] == field, err
         _honest_request_succeeds(dep)
+    # raw UTF-8 surrogate bytes: the proxy's strict parser refuses them, json decodes them,
+    # and the body check names the field (not "malformed JSON")
+    err = error_of(*proxy.post(COMPLETIONS, b'{"prompt": "a\xed\xa0\x80b"}'))
+    assert err["param"] == "prompt" and "not valid Unicode" in err["message"], err
     proxy.close()
     _all_in_rotation(dep)
     assert _proxy_metric(dep, "pdserve:proxy_requests_total") >= 3 * len(attacks)
