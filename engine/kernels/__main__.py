@@ -8,7 +8,7 @@ import sys
 import torch
 
 from engine.kernels import cached_path, compiled
-from engine.kernels.linear import recalibrate, skinny_rows
+from engine.kernels.linear import recalibrate, skinny_rows, widen_rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +21,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     argv = sys.argv[1:] if argv is None else argv
     rows = (recalibrate() if "--recalibrate" in argv else
-            {dt: skinny_rows(getattr(torch, dt)) for dt in ("float32", "bfloat16")})
+            {**{dt: skinny_rows(getattr(torch, dt)) for dt in ("float32", "bfloat16")},
+             "bfloat16_widen": widen_rows(torch.get_num_threads())})
     print(f"CPU kernels: ready, path {mod.get_isa()} of {', '.join(mod.isa_paths())} "
           f"({cached_path()[1]}); skinny_linear up to rows {rows}")
     return 0

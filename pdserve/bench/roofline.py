@@ -149,7 +149,7 @@ def _engine_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> di
 
     from engine.client.inproc import InprocClient
     from engine.config import EngineConfig
-    from engine.kernels.linear import skinny_rows
+    from engine.kernels.linear import skinny_rows, widen_rows
     from engine.models import load_arch
     from pdserve.bench.step import drain
 
@@ -165,6 +165,7 @@ def _engine_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> di
         for t in threads:
             torch.set_num_threads(t)
             skinny_rows(getattr(torch, dtype))  # measured now if new, not inside a timing
+            widen_rows(t)
             prefill = decode = float("inf")
             for i in range(args.repeats):
                 start = time.perf_counter()
