@@ -72,6 +72,23 @@ template <>
 constexpr int kTileRowsOf<Avx512Bf16> = 8;
 #endif
 
+// On the AVX-512 paths (float32; bf16 with vdpbf16ps) the tile takes 2 and 3 rows of x too:
+// with each pass prefetching the next tile (which the measurement behind kSequentialRows
+// predates), on an Intel Xeon (Golden Cove) the tile read 2-3 rows at the single stream's
+// rate, 1.29-1.53x the sequential path with the weights in DRAM and 1.25-1.64x in L3
+// (scripts/decode_kernels_ab.py; the sequential path lost ~4 cycles a step per row of x).
+// Not yet measured on an AMD EPYC with AVX-512, where that older measurement was taken.
+template <typename P>
+constexpr int64_t kSequentialRowsOf = kSequentialRows;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+template <>
+constexpr int64_t kSequentialRowsOf<Avx512> = 1;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+template <>
+constexpr int64_t kSequentialRowsOf<Avx512Bf16> = 1;
+#endif
+
 // How far ahead of its loads the single-row stream prefetches w, in bytes, on paths whose loads
 // are narrow (AVX2's 32 bytes): there the hardware prefetcher alone left the single stream at
 // 0.73-0.91 of the streaming read on a Zen 3 EPYC, and 2 KB ahead (a few hundred ns of
@@ -174,7 +191,7 @@ void run(const T* xp, const T* wp, T* yp, int64_t M, int64_t K, int64_t N) {
   at::parallel_for(0, tiles, 64 / NB, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n = t * NB, nb = std::min<int64_t>(NB, N - n);
-      if (nb == NB && M > kSequentialRows) {
+      if (nb == NB && M > kSequentialRowsOf<P>) {
         all_rows<P, T, NB>(xp, wp + n * K, yp + n, M, K, N, next_tile(wp, t, t1, NB, K, N));
       } else {
         for (int64_t j = 0; j < nb; ++j)
