@@ -56,37 +56,35 @@ constexpr int64_t kSequentialRows = 3;
 // (scripts/decode_kernels_ab.py).
 constexpr int kTileRows = 4, kTileCols = 3;
 
-// AVX-512's 32 registers hold an 8 x 3 tile (24 accumulators, the 3 w vectors, x), w always
-// held: 11 loads a step for 24 FMAs, and 8 rows of x (a batch-8 decode) in one pass over w
-// instead of two. On an Intel Xeon (Golden Cove cores, 2 loads and 2 FMAs a cycle) the 4 x 3
-// tile ran the bench model's matmuls at ~81 GFLOP/s a thread from 16 rows on (0.46 of the
-// FMA peak: time doubled with the rows).
+// Per path: the rows of x a tile takes at once, and up to how many rows of x w is read one
+// row at a time instead (kSequentialRows).
+// - AVX-512's 32 registers hold an 8 x 3 tile (24 accumulators, the 3 w vectors, x), w always
+//   held: 11 loads a step for 24 FMAs, and 8 rows of x (a batch-8 decode) in one pass over w
+//   instead of two. On an Intel Xeon (Golden Cove cores, 2 loads and 2 FMAs a cycle) the 4 x 3
+//   tile ran the bench model's matmuls at ~81 GFLOP/s a thread from 16 rows on (0.46 of the
+//   FMA peak: time doubled with the rows).
+// - On the AVX-512 paths (float32; bf16 with vdpbf16ps) the tile takes 2 and 3 rows of x too:
+//   with each pass prefetching the next tile (which the measurement behind kSequentialRows
+//   predates), on that Xeon the tile read 2-3 rows at the single stream's rate, 1.29-1.53x
+//   the sequential path with the weights in DRAM and 1.25-1.64x in L3
+//   (scripts/decode_kernels_ab.py; the sequential path lost ~4 cycles a step per row of x).
+//   Not yet measured on an AMD EPYC with AVX-512, where that older measurement was taken.
 template <typename P>
-constexpr int kTileRowsOf = kTileRows;
+struct Tiling {
+  static constexpr int rows = kTileRows;
+  static constexpr int64_t sequential = kSequentialRows;
+};
+struct WideTiling {
+  static constexpr int rows = 8;
+  static constexpr int64_t sequential = 1;
+};
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 template <>
-constexpr int kTileRowsOf<Avx512> = 8;
+struct Tiling<Avx512> : WideTiling {};
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 template <>
-constexpr int kTileRowsOf<Avx512Bf16> = 8;
-#endif
-
-// On the AVX-512 paths (float32; bf16 with vdpbf16ps) the tile takes 2 and 3 rows of x too:
-// with each pass prefetching the next tile (which the measurement behind kSequentialRows
-// predates), on an Intel Xeon (Golden Cove) the tile read 2-3 rows at the single stream's
-// rate, 1.29-1.53x the sequential path with the weights in DRAM and 1.25-1.64x in L3
-// (scripts/decode_kernels_ab.py; the sequential path lost ~4 cycles a step per row of x).
-// Not yet measured on an AMD EPYC with AVX-512, where that older measurement was taken.
-template <typename P>
-constexpr int64_t kSequentialRowsOf = kSequentialRows;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-template <>
-constexpr int64_t kSequentialRowsOf<Avx512> = 1;
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-template <>
-constexpr int64_t kSequentialRowsOf<Avx512Bf16> = 1;
+struct Tiling<Avx512Bf16> : WideTiling {};
 #endif
 
 // How far ahead of its loads the single-row stream prefetches w, in bytes, on paths whose loads
@@ -174,7 +172,7 @@ inline void last_rows(const T* x, const T* w, T* y, int64_t rows, int64_t K, int
 template <typename P, typename T, int NB>
 inline void all_rows(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N,
                      const char* next = nullptr) {
-  constexpr int TR = kTileRowsOf<P>;
+  constexpr int TR = Tiling<P>::rows;
   int64_t m = 0;
   if (NB > 1 && (TR > kTileRows || M >= 2 * TR))  // w held (kTileRows above)
     for (; m + TR <= M; m += TR)
@@ -191,7 +189,7 @@ void run(const T* xp, const T* wp, T* yp, int64_t M, int64_t K, int64_t N) {
   at::parallel_for(0, tiles, 64 / NB, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n = t * NB, nb = std::min<int64_t>(NB, N - n);
-      if (nb == NB && M > kSequentialRowsOf<P>) {
+      if (nb == NB && M > Tiling<P>::sequential) {
         all_rows<P, T, NB>(xp, wp + n * K, yp + n, M, K, N, next_tile(wp, t, t1, NB, K, N));
       } else {
         for (int64_t j = 0; j < nb; ++j)
