@@ -36,6 +36,7 @@ from proxy.errors import ProxyError, error_body
 from proxy.flow import ClientGone, Dispatcher, RequestContext
 from proxy.kv_info import KVInfoCache
 from proxy.kv_subscriber import EventSubscriber
+from proxy.leg_client import LegClient
 from proxy.legs import CHAT, COMPLETIONS, ROUTE_PATHS, decode, new_id
 from proxy.metrics import CONTENT_TYPE, HopMiddleware, ProxyMetrics
 from proxy.passthrough import GET_ROUTES, POST_ROUTES, from_decode
@@ -62,6 +63,7 @@ class ProxyState:
             {"authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         )
         self.client: aiohttp.ClientSession | None = None
+        self.p_client: LegClient | None = None
         self.control: httpx.AsyncClient | None = None
         self.dispatcher: Dispatcher | None = None
         self.health: HealthMonitor | None = None
@@ -84,6 +86,8 @@ class ProxyState:
             headers={"accept-encoding": "identity"},
             auto_decompress=False,
         )
+        self.p_client = LegClient(limit=c.max_connections, keepalive=_KEEPALIVE_EXPIRY,
+                                  headers={"accept-encoding": "identity"})
         self.control = httpx.AsyncClient(
             timeout=httpx.Timeout(c.health_timeout),
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=32,
@@ -96,8 +100,8 @@ class ProxyState:
                                                      self.metrics.registry)
         for subscriber in self.subscribers:
             subscriber.start()
-        self.dispatcher = Dispatcher(c, self.client, self.prefill, self.decode, kv_info,
-                                     self.metrics, self.router)
+        self.dispatcher = Dispatcher(c, self.client, self.p_client, self.prefill, self.decode,
+                                     kv_info, self.metrics, self.router)
         self.health = HealthMonitor([self.prefill, self.decode], self.control,
                                     interval=c.health_interval, timeout=c.health_timeout,
                                     headers=self.backend_auth)
@@ -121,6 +125,8 @@ class ProxyState:
             await self.dispatcher.shutdown()
         if self.client is not None:
             await self.client.close()
+        if self.p_client is not None:
+            await self.p_client.close()
         if self.control is not None:
             await self.control.aclose()
 

@@ -29,6 +29,7 @@ from proxy.errors import ProxyError
 from proxy.handover import Handover
 from proxy.handover_leg import HandoverLeg, run_prefill_stream
 from proxy.kv_info import KVInfoCache, KVInfoError, PrefillCoordinates
+from proxy.leg_client import LegClient
 from proxy.legs import (
     CHAT,
     DecodeStream,
@@ -85,6 +86,7 @@ class Dispatcher:
         self,
         config: ProxyConfig,
         client: aiohttp.ClientSession,
+        p_client: LegClient,
         prefill: BackendPool,
         decode: BackendPool,
         kv_info: KVInfoCache,
@@ -93,7 +95,8 @@ class Dispatcher:
     ) -> None:
         self.config = config
         self.router = router
-        self.client = client
+        self.client = client  # D's legs, and the relay
+        self.p_client = p_client  # P's legs: their bytes are on TTFT's path (leg_client.py)
         self.prefill = prefill
         self.decode = decode
         self.kv_info = kv_info
@@ -297,7 +300,7 @@ class Dispatcher:
     async def _prefill_leg(
         self, ctx: RequestContext, lease: Lease, body: dict[str, Any]
     ) -> PrefillResult:
-        result = await run_prefill_leg(self.client, self.prefill, lease, ctx.path, body,
+        result = await run_prefill_leg(self.p_client, self.prefill, lease, ctx.path, body,
                                        ctx.headers, self._leg_timeout(ctx))
         if not result.ok and not result.client_error:
             self.kv_info.invalidate(result.url)
@@ -309,8 +312,8 @@ class Dispatcher:
         self, ctx: RequestContext, lease: Lease, body: dict[str, Any]
     ) -> DecodeStream:
         # One turn of the loop first: P's leg, spawned just before, hands its bytes to the
-        # socket (aiohttp writes a body in a task of its own) before D's body is encoded and
-        # sent. P's bytes are on the client's TTFT path; D's wait for P's prefill anyway.
+        # socket before D's body is encoded and sent. P's bytes are on the client's TTFT
+        # path; D's wait for P's prefill anyway.
         await asyncio.sleep(0)
         return await open_decode_leg(self.client, self.decode, lease, ctx.path, body,
                                      ctx.headers, self._leg_timeout(ctx), ctx.request_id)
@@ -451,7 +454,7 @@ class Dispatcher:
     ) -> asyncio.Task[PrefillResult]:
         if leg is not None:  # streamed like the client's request (proxy/handover.py)
             body = self.handover.prefill_body(ctx, body, leg)
-            coro = run_prefill_stream(self.client, self.prefill, lease, ctx.path, body,
+            coro = run_prefill_stream(self.p_client, self.prefill, lease, ctx.path, body,
                                       ctx.headers, self._leg_timeout(ctx), leg)
         else:
             coro = self._prefill_leg(ctx, lease, body)

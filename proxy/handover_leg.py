@@ -17,8 +17,9 @@ from typing import Any
 import aiohttp
 
 from proxy.backends import BackendPool, Lease
+from proxy.leg_client import LegClient
 from proxy.legs import PrefillResult, post_prefill
-from proxy.metrics import mark_backend_byte
+from proxy.metrics import hop_clock, mark_backend_byte
 
 _DONE = b"data: [DONE]"
 
@@ -98,28 +99,44 @@ def _data(event: bytes) -> Any:
 
 
 async def run_prefill_stream(
-    client: aiohttp.ClientSession, pool: BackendPool, lease: Lease, path: str,
+    client: LegClient, pool: BackendPool, lease: Lease, path: str,
     body: dict[str, Any], headers: dict[str, str], timeout: aiohttp.ClientTimeout,
     leg: HandoverLeg,
 ) -> PrefillResult:
-    async def read(resp: aiohttp.ClientResponse) -> bytes:
-        leg.headers = {"content-type": resp.headers.get("content-type", "")}
-        buffer = b""
-        async for raw in resp.content.iter_any():
-            buffer += raw
-            while b"\n\n" in buffer:
-                event, buffer = buffer.split(b"\n\n", 1)
-                mark_backend_byte()  # P's head is relayed as it arrives
-                headless = not leg.head.done()
-                leg.feed(event + b"\n\n")
-                if headless and leg.head.done():
-                    # the request's task, woken by the head, writes it to the client
-                    # before P's next events (often in the same read) are parsed
-                    await asyncio.sleep(0)
-        return b""
+    hop = hop_clock()  # on_body runs in the connection's callback, outside this context
+    buffer = b""
+    parked = False  # events after the head wait a turn of the loop
 
-    result = await post_prefill(client, pool, lease, path, body, headers, timeout, read,
-                                on_end=leg.end)
+    def on_body(raw: bytes, answer_headers: dict[str, str]) -> None:
+        """P's bytes, from data_received: P's head resolves leg.head (and wakes the
+        request's task) in the turn it arrives."""
+        nonlocal buffer, parked
+        if not leg.headers:
+            leg.headers = {"content-type": answer_headers.get("content-type", "")}
+        buffer += raw
+        if parked:
+            return
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            mark_backend_byte(hop)  # P's head is relayed as it arrives
+            headless = not leg.head.done()
+            leg.feed(event + b"\n\n")
+            if headless and leg.head.done() and b"\n\n" in buffer:
+                # the request's task, woken by the head, writes it to the client before
+                # P's next events (often in the same read) are parsed
+                parked = True
+                asyncio.get_running_loop().call_soon(drain)
+                return
+
+    def drain() -> None:
+        nonlocal parked
+        parked = False
+        on_body(b"", {})
+
+    result = await post_prefill(client, pool, lease, path, body, headers, timeout,
+                                on_body=on_body, on_end=leg.end)
+    if parked:
+        drain()
     if not result.ok:
         return result
     if leg.error or not leg.complete:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +23,7 @@ from kvconnector.params import DECODE_FLAG, PREFILL_FLAG, PrefillLeg, PushDecode
 from proxy.backends import BackendPool, Lease
 from proxy.errors import ProxyError, backend_error_body
 from proxy.kv_info import PrefillCoordinates
+from proxy.leg_client import ConnectFailed, LegClient, OnBody
 from proxy.metrics import mark_backend_byte, mark_leg_sent
 
 CHAT = "chat"
@@ -175,7 +176,7 @@ class PrefillResult:
 
 
 async def run_prefill_leg(
-    client: aiohttp.ClientSession,
+    client: LegClient,
     pool: BackendPool,
     lease: Lease,
     path: str,
@@ -183,40 +184,36 @@ async def run_prefill_leg(
     headers: dict[str, str],
     timeout: aiohttp.ClientTimeout,
 ) -> PrefillResult:
-    async def read(resp: aiohttp.ClientResponse) -> bytes:
-        content = await resp.read()
+    result = await post_prefill(client, pool, lease, path, body, headers, timeout)
+    if result.ok:
         mark_backend_byte()
-        return content
-
-    return await post_prefill(client, pool, lease, path, body, headers, timeout, read)
+    return result
 
 
 async def post_prefill(
-    client: aiohttp.ClientSession, pool: BackendPool, lease: Lease, path: str,
+    client: LegClient, pool: BackendPool, lease: Lease, path: str,
     body: dict[str, Any], headers: dict[str, str], timeout: aiohttp.ClientTimeout,
-    read: Callable[[aiohttp.ClientResponse], Awaitable[bytes]],
-    on_end: Callable[[], None] | None = None,
+    on_body: OnBody | None = None, on_end: Callable[[], None] | None = None,
 ) -> PrefillResult:
-    """Send a P leg; `read` takes a 200 answer's body. Every failure becomes the result's
-    error, counted on P's backend; the lease is released (and `on_end` called) on every
-    path."""
+    """Send a P leg (proxy/leg_client.py); a 200 answer's body goes to `on_body` as it
+    arrives when given, else it is the result's. Every failure becomes the result's error,
+    counted on P's backend; the lease is released (and `on_end` called) on every path."""
     url = lease.url
     try:
         mark_leg_sent()
-        async with client.post(url + path, data=encode(body), headers=headers,
-                               timeout=timeout) as resp:
-            status = resp.status
-            content = await (read(resp) if status == 200 else resp.read())
-    except TimeoutError as exc:  # aiohttp's timeouts are TimeoutErrors (before ClientError)
+        answer = await client.post(url, path, encode(body), headers, total=timeout.total,
+                                   connect=timeout.sock_connect, on_body=on_body)
+    except TimeoutError as exc:
         pool.record_failure(lease.backend, "timeout", unreachable=False)
         return PrefillResult(url, None, b"", f"timed out ({type(exc).__name__})")
-    except aiohttp.ClientError as exc:
+    except (aiohttp.ClientError, OSError) as exc:  # leg_client's are OSErrors
         record_connection_failure(pool, lease, exc)
         return PrefillResult(url, None, b"", f"{type(exc).__name__}: {exc}")
     finally:
         lease.release()
         if on_end is not None:
             on_end()
+    status, content = answer.status, answer.body
     if status == 200:
         return PrefillResult(url, 200, content)
     _, detail = backend_error_body(content)
@@ -229,7 +226,7 @@ def record_connection_failure(pool: BackendPool, lease: Lease, exc: BaseExceptio
     """A leg's connection failed: refused or unresolvable (the backend is unreachable: out of
     rotation at once), or broken after the backend had the request ("disconnected": a reset
     that request may have caused; a health check decides)."""
-    if isinstance(exc, aiohttp.ClientConnectorError):
+    if isinstance(exc, aiohttp.ClientConnectorError | ConnectFailed):
         pool.record_failure(lease.backend, "connection", unreachable=True)
     else:
         pool.record_failure(lease.backend, "disconnected", unreachable=False)

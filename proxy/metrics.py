@@ -124,10 +124,17 @@ def mark_leg_sent() -> None:
         hop.leg_sent = time.monotonic()
 
 
-def mark_backend_byte() -> None:
+def hop_clock() -> HopClock | None:
+    """The current request's clock, for a callback that runs outside its context (a
+    protocol's data_received: proxy/leg_client.py)."""
+    return _HOP.get()
+
+
+def mark_backend_byte(hop: HopClock | None = None) -> None:
     """A leg's first body bytes arrived (P's answer, P's streamed head, D's first chunk); the
-    latest such mark before the client's first byte is the chunk that became it."""
-    hop = _HOP.get()
+    latest such mark before the client's first byte is the chunk that became it. `hop`: the
+    request's clock (default: the current context's)."""
+    hop = hop or _HOP.get()
     if hop is not None and hop.client_byte is None:
         hop.backend_byte = time.monotonic()
 
