@@ -121,9 +121,9 @@ async def run_prefill_stream(
             mark_backend_byte(hop)  # P's head is relayed as it arrives
             headless = not leg.head.done()
             leg.feed(event + b"\n\n")
-            if headless and leg.head.done() and b"\n\n" in buffer:
+            if headless and leg.head.done():
                 # the request's task, woken by the head, writes it to the client before
-                # P's next events (often in the same read) are parsed
+                # P's next events (in the same read, or the next) are parsed
                 parked = True
                 asyncio.get_running_loop().call_soon(drain)
                 return
