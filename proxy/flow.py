@@ -148,10 +148,19 @@ class Dispatcher:
                      ctx.request_id, transfer_id, p_lease.url, d_lease.url)
         p_body = prefill_leg_body(ctx.body, ctx.route, push_prefill_params(transfer_id),
                                   p_lease.rank, ctx.tokens.for_legs)
-        d_body = decode_leg_body(ctx.body, push_decode_params(coords, transfer_id),
-                                 ctx.tokens.for_legs)
         leg = self.handover.leg(ctx)
         prefill = self._spawn_prefill(ctx, p_lease, p_body, leg)
+        try:
+            # a turn of the loop: P's leg writes its request now, before D's body is built
+            # and D's leg and this request's waits are set up (P's bytes are on the client's
+            # TTFT path; D's wait for P's prefill anyway)
+            await asyncio.sleep(0)
+        except BaseException:
+            prefill.cancel()
+            d_lease.release()
+            raise
+        d_body = decode_leg_body(ctx.body, push_decode_params(coords, transfer_id),
+                                 ctx.tokens.for_legs)
         opening = self._spawn_decode(ctx, d_lease, d_body)
         answer = await self.handover.first(ctx, leg, prefill, opening, d_lease)
         if answer is not None:

@@ -17,10 +17,11 @@ Reported: medians, the paired median of (proxy - colocated) per round, the CPU m
 the load average; and, since P's own prefill swings by +-10 % between requests on a noisy
 machine, each request's time outside P (its TTFT minus P's server-side TTFT for it, read from
 P's metrics between requests) and the proxy modes' median of it minus the colocated one's.
+The plain difference of medians (the issue's statistic) gets a 95 % bootstrap interval.
 Writes bench/results/first_token.json (or --out).
 
   .venv/bin/python scripts/bench_first_token.py [--pin] [--rounds 15] [--lengths 128 1024]
-      [--baseline-tree DIR]
+      [--baseline-tree DIR] [--modes seeded ...] [--pin-proxy CORE]
 """
 
 from __future__ import annotations
@@ -112,6 +113,15 @@ def proxy_hop_ms(url: str) -> dict[str, float]:
             for part in ("dispatch", "relay") if sums.get(f"count{part}")}
 
 
+def _median_diff_ci(mode: list, colocated: list, draws: int = 2000) -> list[float]:
+    """95 % bootstrap interval (ms) of median(mode's TTFTs) - median(colocated's)."""
+    rng = random.Random(0)
+    x, y = [t for t, _ in mode], [t for t, _ in colocated]
+    diffs = sorted(statistics.median(rng.choices(x, k=len(x)))
+                   - statistics.median(rng.choices(y, k=len(y))) for _ in range(draws))
+    return [round(diffs[int(0.025 * draws)] * 1e3, 2), round(diffs[int(0.975 * draws)] * 1e3, 2)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=".models/bench-llama")
@@ -120,8 +130,14 @@ def main() -> None:
     ap.add_argument("--pin", action="store_true", help="P on core 0, D on core 1")
     ap.add_argument("--out", default="bench/results/first_token.json")
     ap.add_argument("--baseline-tree", help="also the proxy of this checkout (mode baseline)")
+    ap.add_argument("--pin-proxy", type=int, help="the proxies on this core (default: free)")
+    ap.add_argument("--modes", nargs="+", choices=MODES[1:],
+                    help="proxy modes beside colocated (default: seeded, recompute, and "
+                         "baseline with --baseline-tree): fewer modes, more rounds an hour")
     a = ap.parse_args()
     modes = MODES if a.baseline_tree else MODES[:3]
+    if a.modes:
+        modes = ("colocated", *(m for m in MODES[1:] if m in a.modes))
     env = {"OMP_NUM_THREADS": "1"}
     p = _role("prefill", a.model, "P0", env)
     d = _role("decode", a.model, "D0", env)
@@ -143,6 +159,7 @@ def main() -> None:
                                   {**os.environ, **env}, None)
             procs.append(proxy)
             proxy.wait_healthy(60)
+            _pin(proxy, a.pin_proxy)
             return proxy
 
         proxy = start_proxy(["-m", "proxy"])
@@ -186,6 +203,10 @@ def main() -> None:
                 "p_ttft_median_ms": {m: round(statistics.median(
                     t - o for (t, _), o in zip(rows[m], outside[m], strict=True)) * 1e3, 2)
                     for m in modes},
+                # the issue's own statistic with its spread: a 95 % bootstrap interval of
+                # (median through the proxy - median straight to P)
+                "median_diff_ci95_ms": {m: _median_diff_ci(rows[m], rows["colocated"])
+                                        for m in modes[1:]},
                 "outside_p_minus_colocated_ms": {
                     m: round((statistics.median(outside[m])
                               - statistics.median(outside["colocated"])) * 1e3, 2)
