@@ -5,11 +5,19 @@ keep the connection or close it, break off, stall."""
 from __future__ import annotations
 
 import asyncio
+import os
+import ssl
+import sys
+import tempfile
 from collections.abc import Awaitable, Callable
 
 import pytest
 
-from proxy.leg_client import ConnectFailed, Disconnected, LegClient
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+
+from pki_kit import make_pki  # noqa: E402
+
+from proxy.leg_client import ConnectFailed, Disconnected, LegClient  # noqa: E402
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, bytes], Awaitable[bool]]
 
@@ -17,15 +25,17 @@ Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, bytes], Awaitabl
 class Server:
     """Answers each request on a connection with `handler` (True: keep the connection)."""
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, tls: ssl.SSLContext | None = None) -> None:
         self.handler = handler
+        self.tls = tls
         self.connections = 0
         self.requests: list[bytes] = []
         self.closed = asyncio.Event()  # a connection's reader saw its end
 
     async def __aenter__(self) -> Server:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.tls)
+        scheme = "https" if self.tls else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -313,6 +323,41 @@ def test_a_header_with_control_characters_is_refused(header):
             with pytest.raises(ValueError, match="control characters"):
                 await client.post(server.url, "/p", b"{}", dict([header]), total=10, connect=5)
             assert server.requests == []
+            await client.close()
+
+    run(main())
+
+
+@pytest.fixture(scope="module")
+def pki():
+    return make_pki(tempfile.mkdtemp(prefix="pdserve-leg-pki-"))
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+def test_https_verifies_the_backend(pki, trusted, monkeypatch):
+    """An https backend is reached over TLS, its certificate checked against the host's CAs
+    (SSL_CERT_FILE here): one from a CA the host does not trust is refused, as aiohttp did."""
+    if trusted:
+        monkeypatch.setenv("SSL_CERT_FILE", pki["ca"])
+    else:
+        monkeypatch.setenv("SSL_CERT_FILE", os.devnull)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(pki["cert"], pki["key"])
+
+    async def main():
+        async with Server(sse_answer, tls) as server:
+            client = LegClient(limit=8, keepalive=30)
+            if trusted:
+                got: list[bytes] = []
+                answer = await client.post(server.url, "/p", b"{}", {}, total=10, connect=5,
+                                           on_body=lambda b, h: got.append(b))
+                assert answer.status == 200
+                assert b"".join(got) == b"data: 1\n\ndata: [DONE]\n\n"
+                assert server.requests[0].startswith(b"POST /p HTTP/1.1\r\n")
+            else:
+                with pytest.raises(ConnectFailed, match="CERTIFICATE_VERIFY_FAILED"):
+                    await client.post(server.url, "/p", b"{}", {}, total=10, connect=5)
+                assert server.requests == []
             await client.close()
 
     run(main())
