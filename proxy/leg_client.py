@@ -90,7 +90,6 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.reusable = False
         self.idle_since = 0.0
-        self._name = b""
 
     # ---- asyncio.Protocol -------------------------------------------------------------
 
@@ -108,7 +107,7 @@ class _Connection(asyncio.Protocol):
             self._fail(Disconnected("the backend switched protocols"))
         except httptools.HttpParserError as exc:
             self._fail(Disconnected(f"malformed HTTP answer: {exc}"))
-        except BaseException as exc:  # noqa: BLE001 - on_body's error is the caller's
+        except Exception as exc:  # noqa: BLE001 - on_body's error is the caller's
             self._fail(exc)
 
     def eof_received(self) -> bool:

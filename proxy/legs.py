@@ -206,7 +206,7 @@ async def post_prefill(
     except TimeoutError as exc:
         pool.record_failure(lease.backend, "timeout", unreachable=False)
         return PrefillResult(url, None, b"", f"timed out ({type(exc).__name__})")
-    except (aiohttp.ClientError, OSError) as exc:  # leg_client's are OSErrors
+    except OSError as exc:  # ConnectFailed, Disconnected (proxy/leg_client.py)
         record_connection_failure(pool, lease, exc)
         return PrefillResult(url, None, b"", f"{type(exc).__name__}: {exc}")
     finally:
