@@ -320,10 +320,6 @@ class Dispatcher:
     async def _open_decode(
         self, ctx: RequestContext, lease: Lease, body: dict[str, Any]
     ) -> DecodeStream:
-        # One turn of the loop first: whatever is ready (another request's P leg) goes before
-        # D's body is encoded and sent. P's bytes are on a client's TTFT path; D's wait for
-        # P's prefill anyway. (A push request's own P leg is written already: `_push`.)
-        await asyncio.sleep(0)
         return await open_decode_leg(self.client, self.decode, lease, ctx.path, body,
                                      ctx.headers, self._leg_timeout(ctx), ctx.request_id)
 

@@ -22,6 +22,7 @@ The contract is aiohttp's as the legs used it:
 from __future__ import annotations
 
 import asyncio
+import functools
 import ssl
 import time
 from collections.abc import Callable
@@ -55,13 +56,14 @@ class _Origin:
     host: str
     port: int
 
-    @classmethod
-    def of(cls, url: str) -> _Origin:
+    @staticmethod
+    @functools.lru_cache(maxsize=256)  # a fleet's backend URLs: parsed once, not per leg
+    def of(url: str) -> _Origin:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {url!r}")
         port = parts.port or (443 if parts.scheme == "https" else 80)
-        return cls(parts.scheme, parts.hostname, port)
+        return _Origin(parts.scheme, parts.hostname, port)
 
     @property
     def host_header(self) -> str:
@@ -270,7 +272,8 @@ def _render_headers(headers: dict[str, str]) -> bytes:
     lines = []
     for name, value in headers.items():
         if any(c in name or c in value for c in "\r\n\0") or not name or ":" in name:
-            raise ValueError(f"refusing to send header {name!r}: control characters")
+            raise ValueError(f"refusing to send header {name!r}: control characters or a "
+                             "colon in its name")
         if name.lower() in ("host", "content-length", "transfer-encoding"):
             continue  # ours
         lines.append(f"{name}: {value}\r\n")
