@@ -77,6 +77,11 @@ class KVConnectorScheduler:
         """Return (delay_free, kv_transfer_params for the final output)."""
         return False, None
 
+    def request_load_failed(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
+        """The request recomputes after a failed receipt: True when a transfer may still
+        write its blocks (held until `finished_sending`; the request gets fresh ones)."""
+        return False
+
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         return None
 

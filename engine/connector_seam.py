@@ -111,6 +111,11 @@ class SchedulerConnector(Protocol):
     def request_finished(self, request: ConnectorRequest, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]: ...
 
+    def request_load_failed(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
+        """A parked request's KV will not arrive and it recomputes (`load_failure_policy`):
+        True when a transfer may still write `block_ids` (the scheduler then holds them
+        until the id is in `finished_sending` and gives the request fresh ones)."""
+
     def update_connector_output(self, output: KVConnectorOutput) -> None: ...
 
     def take_seeded_token(self, request: ConnectorRequest) -> SeededToken | None:

@@ -12,6 +12,8 @@ transport every engine otherwise runs has none of this on its path. Keys:
 - ``fail_write`` / ``fail_read``: true — submission raises `TransferError`.
 - ``fail_handshake``: true — `add_peer` raises `HandshakeError`.
 - ``delay_write_completion_s``: `check` reports "PROC" until this long after submission.
+- ``delay_write_s``: a WRITE is posted this long after its submission (`check` says "PROC"
+  until then): its bytes and its completion land late, as over a slow network.
 - ``probability`` (default 1.0) and ``seed``: each listed fault fires per operation with this
   probability from a seeded RNG (soak tests). ``max_faults``: stop injecting after this many.
 - ``by_rank``: ``{tp_rank: {key: value}}`` — what the transport of that tensor-parallel rank
@@ -49,6 +51,7 @@ class FaultInjection:
     fail_read: bool = False
     fail_handshake: bool = False
     delay_write_completion_s: float = 0.0
+    delay_write_s: float = 0.0
     probability: float = 1.0
     seed: int | None = None
     max_faults: int | None = None
@@ -96,6 +99,7 @@ class FaultyTransport(NixlTransport):
         self._delayed: list[tuple[float, str, bytes]] = []  # (due, peer, notification)
         self._deferred: dict[XferHandle, tuple[bytes, float]] = {}  # delayed completions
         self._ready_at: dict[XferHandle, float] = {}  # injected completion delay
+        self._postponed: dict[XferHandle, float] = {}  # WRITEs not posted yet: when they are
         super().__init__(name, kv_cache, bytes_per_block, backends, **kw)
 
     def add_peer(self, meta: AgentMetadata, source: str | None = None) -> str:
@@ -125,9 +129,33 @@ class FaultyTransport(NixlTransport):
                                           + self.faults.delay_write_completion_s)
             return handle
 
+    def _post(self, handle: XferHandle) -> None:
+        if handle.op == "WRITE" and self._inject("delay_write", self.faults.delay_write_s > 0):
+            self._postponed[handle] = handle.submitted_at + self.faults.delay_write_s
+            return  # "PROC" until `check` posts it
+        super()._post(handle)
+
+    def _post_due(self, handle: XferHandle) -> bool:
+        """Post a postponed WRITE once due (lock held); False while it still waits."""
+        due = self._postponed.get(handle)
+        if due is None:
+            return True
+        if time.monotonic() < due:
+            return False
+        del self._postponed[handle]
+        try:
+            super()._post(handle)
+        except TransferError as e:  # `_post` released it: nothing left to release
+            logger.warning("NIXL %s: postponed %s", self.name, e)
+            handle.state, handle._released = "ERR", True
+            self._live.discard(handle)
+        return True
+
     def check(self, handle: XferHandle) -> str:
         with self._lock:
             self._flush()
+            if not self._post_due(handle):
+                return "PROC"
             state = super().check(handle)
             if state != "PROC" and handle in self._deferred:
                 notif, due = self._deferred.pop(handle)

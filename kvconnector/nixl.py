@@ -308,19 +308,23 @@ class NixlTransport:
                 handle = self._create(op, peer_name, peer, local, remote, notif)
             except Exception as e:
                 raise TransferError(f"{op} to {peer_name}: cannot create transfer: {e}") from e
-            xfer = handle._nixl
-            try:
-                state = self._agent.transfer(xfer)
-            except Exception as e:  # e.g. nixlRemoteDisconnectError: the peer died
-                state, detail = "ERR", f"{type(e).__name__}: {e}"
-            else:
-                detail = "NIXL returned ERR"
-            if state == "ERR":
-                _quiet(xfer.release, f"release failed {op} to {peer_name}")
-                raise TransferError(f"{op} to {peer_name}: submission failed: {detail}")
-            handle.state = state
+            self._post(handle)
             self._live.add(handle)
             return handle
+
+    def _post(self, handle: XferHandle) -> None:
+        """Start a created transfer (lock held); TransferError, and nothing left, if refused."""
+        xfer = handle._nixl
+        try:
+            state = self._agent.transfer(xfer)
+        except Exception as e:  # e.g. nixlRemoteDisconnectError: the peer died
+            state, detail = "ERR", f"{type(e).__name__}: {e}"
+        else:
+            detail = "NIXL returned ERR"
+        if state == "ERR":
+            _quiet(xfer.release, f"release failed {handle.op} to {handle.peer}")
+            raise TransferError(f"{handle.op} to {handle.peer}: submission failed: {detail}")
+        handle.state = state
 
     def _create(self, op: str, name: str, peer: _Peer, local: np.ndarray, remote: np.ndarray,
                 notif: bytes) -> XferHandle:

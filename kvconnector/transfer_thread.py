@@ -25,6 +25,7 @@ in `inbox` and reads `outbox` with `collect()`; nothing else is shared.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -55,6 +56,7 @@ _PRUNE_EVERY_S = 1.0
 # s of D's CPU in issue 33's 400-request run.)
 WAIT_POLL_S = 0.25
 FAST_AFTER_POKE_S = 1.0
+_MAX_EARLY = 1024  # notifications kept waiting for their pokes (a P that never pokes)
 # after a pass that took scheduler work (D's PUSH_REGs go out): poll fast this long, so a
 # send that needs this agent's progress leaves at once
 FAST_AFTER_WORK_S = 0.02
@@ -95,6 +97,8 @@ class TransferThread:
     prune_idle = False  # prune idle peers (both halves then have `addresses_in_use()`)
     # the sink's waits end with a WRITE the source side announces (`poke`): poll slowly before
     sink_waits_for_poke = False
+    # the notification types a poke announces (each one poked for arrives as one of these)
+    poked_kinds: frozenset[type] = frozenset()
 
     def __init__(self, transport: Transport, peers: Peers, source: Half, sink: Sink,
                  wake: threading.Event, clock: Callable[[], float] = time.monotonic) -> None:
@@ -114,6 +118,7 @@ class TransferThread:
         self._next_full = clock()  # a timer tick before this may be a light one
         self._fast_until = 0.0  # poll fast until then (a poke arrived) ...
         self._awaited = 0  # ... while this many poked notifications have not arrived
+        self._early: collections.deque[float] = collections.deque()  # arrived before a poke
         self._awaited_lock = threading.Lock()  # poke() runs on the side channel's thread
         self._work_fast_until = 0.0  # poll fast until then (scheduler work went out)
         self._stop = False
@@ -145,17 +150,30 @@ class TransferThread:
 
     def poke(self) -> None:
         """A WRITE into this engine was posted (called on the side-channel thread): poll the
-        agent fast until its notification arrives (FAST_AFTER_POKE_S at most)."""
+        agent fast until its notification arrives (FAST_AFTER_POKE_S at most). A notification
+        that arrived before its poke (P's single-copy WRITE can complete before the poke's TCP
+        round, and D polls fast just after its PUSH_REG) answers the poke at once."""
+        now = self.clock()
         with self._awaited_lock:
+            while self._early and self._early[0] < now - FAST_AFTER_POKE_S:
+                self._early.popleft()  # too old to be this poke's: the poke was lost
+            if self._early:
+                self._early.popleft()
+                return
             self._awaited += 1
-            self._fast_until = self.clock() + FAST_AFTER_POKE_S
+            self._fast_until = now + FAST_AFTER_POKE_S
         self.wake.set()
 
     def _arrived(self, count: int) -> None:
-        """`count` notifications arrived: as many poked ones are no longer awaited (one that
-        came before its poke leaves the poke awaiting: fast polls until FAST_AFTER_POKE_S)."""
+        """`count` poked-for notifications arrived: as many awaited pokes are answered; the
+        rest came before their pokes, which they answer when those come."""
+        now = self.clock()
         with self._awaited_lock:
-            self._awaited = max(0, self._awaited - count)
+            answered = min(count, self._awaited)
+            self._awaited -= answered
+            self._early.extend([now] * (count - answered))
+            while len(self._early) > _MAX_EARLY:
+                self._early.popleft()
 
     def submit(self, meta: KVConnectorMetadata) -> None:
         """Hand the scheduler's per-step metadata over (only when it brings work)."""
@@ -190,14 +208,15 @@ class TransferThread:
         listened, self._last_listen = self._last_listen, self.clock()
         if notifs is None:
             notifs = self.t.get_new_notifs()
-        if notifs and self._awaited:
-            self._arrived(len(notifs))
+        poked = 0
         for agent, raw in notifs:
             try:
-                self._dispatch(raw, agent, listened)
+                poked += self._dispatch(raw, agent, listened) in self.poked_kinds
             except Exception:  # noqa: BLE001 - one bad message must not lose the batch
                 self.malformed += 1
                 logger.exception("notification from %s dropped: %r", agent, raw[:64])
+        if poked:
+            self._arrived(poked)
         self.source.poll()
         self.sink.poll()
         if self.prune_idle:
@@ -253,23 +272,25 @@ class TransferThread:
                 for item in getattr(meta, name):
                     handle(item)
 
-    def _dispatch(self, raw: bytes, agent: str, seen_after: float) -> None:
-        """`agent`: the sender's NIXL agent name; the halves refuse (and count) a message from
-        an agent other than the one the transfer belongs to."""
+    def _dispatch(self, raw: bytes, agent: str, seen_after: float) -> type | None:
+        """Route one notification; its decoded type (None: malformed). `agent`: the sender's
+        NIXL agent name; the halves refuse (and count) a message from an agent other than the
+        one the transfer belongs to."""
         try:
             msg = wire.decode_notif(raw)
         except wire.MalformedNotif as e:
             self.malformed += 1
             logger.warning("malformed notification from %s dropped (%s): %r", agent, e,
                            raw[:64])
-            return
+            return None
         handle = self.notif_routes.get(type(msg))
         if handle is None:
             self.malformed += 1
             logger.warning("%s from %s dropped: not a notification of this mode",
                            type(msg).__name__, agent)
-            return
+            return None
         handle(msg, agent, seen_after)
+        return type(msg)
 
     def _prune_idle_peers(self) -> None:
         now = self.clock()

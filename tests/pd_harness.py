@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import psutil
 
 from engine.net import free_port
 from pdserve.launcher import ServerProcess, launch_server
@@ -175,3 +176,11 @@ def assert_no_leaks(servers: list[ServerProcess], timeout: float = 20.0) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"leak after {timeout}s: {bad}")
         time.sleep(0.25)
+
+
+def engine_core(server_pid: int) -> psutil.Process:
+    """The API server's engine-core child (spawned; not multiprocessing's resource tracker)."""
+    cores = [c for c in psutil.Process(server_pid).children()
+             if "spawn_main" in " ".join(c.cmdline())]
+    assert len(cores) == 1, [c.cmdline() for c in psutil.Process(server_pid).children()]
+    return cores[0]

@@ -188,7 +188,14 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release every block of the request, tail first so tails are evicted first."""
-        rid = request.request_id
-        blocks = self._req_blocks.pop(rid, [])
-        self._num_cached.pop(rid, None)
+        self.free_blocks(self.detach(request))
+
+    def detach(self, request: Request) -> list[KVBlock]:
+        """Take every block out of the request's table without freeing it (the caller frees
+        them with `free_blocks`); the request then holds none, as a fresh one."""
+        self._num_cached.pop(request.request_id, None)
+        return self._req_blocks.pop(request.request_id, [])
+
+    def free_blocks(self, blocks: list[KVBlock]) -> None:
+        """Release blocks `detach` took (a table's order: tail first, so tails go first)."""
         self.block_pool.free(reversed(blocks))

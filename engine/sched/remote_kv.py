@@ -3,9 +3,10 @@
 Two tables, both keyed by request id and both owned by the engine-core thread:
 - `finished_recving`: parked requests (WAITING_FOR_REMOTE_KVS) whose KV has landed and
   that the next `schedule()` may run. Only ids of live, parked requests enter it.
-- `delayed_free`: finished requests whose blocks the connector still needs (a P-side
-  lease, a D-side quarantine). Their blocks are freed once, when the id comes back in
-  `finished_sending`.
+- `delayed_free`: blocks the connector still needs, by request id: a finished request's (a
+  P-side lease, a D-side quarantine), or those a failed receipt left behind (a WRITE may
+  still land in them; the request recomputes in fresh blocks). Freed once, when the id
+  comes back in `finished_sending`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 
 from engine.connector_seam import KVConnectorOutput
+from engine.sched.block_pool import KVBlock
 from engine.sched.kv_cache_manager import KVCacheManager
 from engine.sched.request import Request, RequestStatus
 
@@ -38,7 +40,7 @@ class RemoteKVState:
     def __init__(self, kv_cache_manager: KVCacheManager) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.finished_recving: set[str] = set()
-        self.delayed_free: dict[str, Request] = {}
+        self.delayed_free: dict[str, list[KVBlock]] = {}
 
     def mark_ready(self, req: Request) -> None:
         """The KV landed: everything is computed but the last token, which yields logits."""
@@ -50,7 +52,9 @@ class RemoteKVState:
         req.status = RequestStatus.WAITING
 
     def hold_blocks(self, req: Request) -> None:
-        self.delayed_free[req.request_id] = req
+        """Take the request's blocks from it until its id is in `finished_sending`."""
+        self.delayed_free.setdefault(req.request_id, []).extend(
+            self.kv_cache_manager.detach(req))
 
     def forget(self, request_id: str) -> None:
         self.finished_recving.discard(request_id)
@@ -63,9 +67,9 @@ class RemoteKVState:
         policy even when it is also reported as received.
         """
         for rid in kvo.finished_sending:
-            req = self.delayed_free.pop(rid, None)
-            if req is not None:
-                self.kv_cache_manager.free(req)
+            blocks = self.delayed_free.pop(rid, None)
+            if blocks is not None:
+                self.kv_cache_manager.free_blocks(blocks)
         failed = {rid: reason or "no reason given" for rid, reason in kvo.failed_recving.items()
                   if _parked(requests.get(rid))}
         for rid in kvo.finished_recving:

@@ -359,10 +359,17 @@ class Scheduler:
             self._finish_with_error(req, f"KV transfer for request {req.request_id} failed:"
                                          f" {reason}")
             return
-        # Keep the blocks; everything past the local prefix hit is computed here.
         self.remote_kv.forget(req.request_id)
         req.num_external_computed_tokens = 0
         req.status = RequestStatus.WAITING
+        block_ids = self.kv_cache_manager.get_block_ids(req.request_id)
+        if self.connector is not None and self.connector.request_load_failed(req, block_ids):
+            # A WRITE may still land in the blocks the request registered (another TP rank's
+            # part, or one D stopped waiting for): they stay with the transfer until it is
+            # over, and the request starts afresh in other blocks (its local prefix hit again)
+            self.remote_kv.hold_blocks(req)
+            req.num_computed_tokens = 0
+        # else it keeps its blocks; everything past the local prefix hit is computed here
         logger.warning("request %s: KV transfer failed (%s); recomputing %d tokens locally",
                        req.request_id, reason, req.num_tokens - req.num_computed_tokens)
 

@@ -122,6 +122,17 @@ class PushScheduler(TransferScheduler):
         self._meta.aborted.append((rid, transfer_id))
         return False, None
 
+    def request_load_failed(self, request: TransferRequest, block_ids: list[int]) -> bool:
+        """D: a part may still be WAITING (another TP rank's WRITE) or QUARANTINED (one D
+        stopped waiting for): release the transfer now, so each rank cancels and reports
+        the id in `finished_sending` once nothing can land; the blocks wait for that."""
+        rid = request.request_id
+        if rid not in self._held:
+            return False
+        self._held.discard(rid)
+        self._meta.released.append(rid)
+        return True
+
     def _recv_done(self, request_id: str) -> int:
         self._deadlines.pop(request_id, None)
         return self._remote_tokens.pop(request_id, 0)

@@ -24,6 +24,9 @@ class PushThread(TransferThread):
     name = "nixl-push-transfer"
     prune_idle = True
     sink_waits_for_poke = True  # P pokes D's side channel when it posts a WRITE into D
+    # ... and when it sends D a PUSH_FAIL or a PUSH_CANCEL_ACK (a kv_both engine's PUSH_REGs
+    # and heartbeats come unannounced)
+    poked_kinds = frozenset({wire.Completion, wire.PushFail, wire.PushCancelAck})
     source: Sender
     sink: Receiver
 

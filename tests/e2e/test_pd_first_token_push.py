@@ -25,7 +25,7 @@ from handover_kit import (
     check_stream_stop_on_first_token,
     check_streams_exact,
 )
-from pd_harness import assert_no_leaks, deployment, metric, wait_until
+from pd_harness import assert_no_leaks, deployment, engine_core, metric, wait_until
 from tokenize_once_kit import (
     check_bad_ids_refused,
     check_proxy_without_tokenizer_encodes_on_d,
@@ -106,13 +106,6 @@ def _window_cpu(procs: list[psutil.Process], loop_pid: int) -> tuple[float, floa
     return (_cpu(procs) - start) / took, (_wakes(loop_pid) - woke) / took
 
 
-def _engine_core(api: psutil.Process) -> psutil.Process:
-    """The API server's engine-core child (spawned; not multiprocessing's resource tracker)."""
-    cores = [c for c in api.children() if "spawn_main" in " ".join(c.cmdline())]
-    assert len(cores) == 1, [c.cmdline() for c in api.children()]
-    return cores[0]
-
-
 def _d_params(pd) -> dict:
     info = httpx.get(f"{pd.p.url}/kv_transfer/info", timeout=10).json()
     return {"do_remote_prefill": True, "remote_engine_id": info["engine_id"],
@@ -190,7 +183,7 @@ def test_d_waiting_for_kv_does_not_poll(pd):
     exit-flag polls, made it 1.6-3.2 % (21 % with the 1 ms polls)."""
     api = psutil.Process(pd.d.pid)
     procs = [api, *api.children(recursive=True)]
-    core = _engine_core(api)
+    core = engine_core(api.pid)
     idle, _ = _window_cpu(procs, core.pid)
     legs = park_stray_legs(pd, first=700, registrations_per_leg=1)
     failed = metric(pd.d, "pdserve:kv_recv_failed_total")

@@ -23,9 +23,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+import threading
 import time
 
+import httpx
 import psutil
 import pytest
 from fault_kit import (
@@ -33,18 +36,21 @@ from fault_kit import (
     both_legs,
     cluster,
     kv_stat,
+    legs,
     metric,
     plain,
+    post_sync,
     prompts,
     stream_sse,
     table,
     text_of,
     wait_for,
 )
-from pd_harness import assert_no_leaks, engine_stats
+from pd_harness import assert_no_leaks, engine_core, engine_stats
 
 TP2 = ("--tensor-parallel-size", "2")
 NUM_BLOCKS = 256
+LONG_TOKENS = 300  # D still decodes when it is held
 
 
 def _kill_p_rank1_mid_transfer(tiny_model: str, reference, name: str,
@@ -174,3 +180,71 @@ def test_watchdog_gives_up_on_the_one_p_rank_that_never_answers(one_rank_faults,
     assert grew["kv_push_registrations_received_total"] == grew["kv_push_writes_total"] == 1
     # D1's rank 1 quarantines until its deadline (2 x ttl after its PUSH_REG)
     assert_no_leaks([dep.p, d], timeout=4 * TTL)
+
+
+LATE_S = 1.5  # P rank 0 posts its WRITE this long after matching it
+LATE_WRITE = {"fault_injection": {"by_rank": {
+    "0": {"delay_write_s": LATE_S},
+    # rank 1 refuses; its PUSH_FAIL waits until rank 0 has surely matched and submitted
+    "1": {"fail_write": True, "delay_notif": {"PUSH_FAIL": 0.5}}}}}
+
+
+def _stream_in_thread(url: str, body: dict, rid: str, tokens_seen: int
+                      ) -> tuple[threading.Thread, threading.Event, dict]:
+    """Stream `body` from `url` in a thread; the event is set once `tokens_seen` text events
+    came; the dict gets `text` and `done` at the end."""
+    seen, out = threading.Event(), {"text": [], "done": False}
+
+    def run() -> None:
+        with httpx.Client(timeout=120) as c, c.stream(
+                "POST", f"{url}/v1/completions", json={**body, "stream": True},
+                headers={"X-Request-Id": rid}) as r:
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    out["done"] = True
+                elif line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    out["text"].append(event["choices"][0]["text"] if "choices" in event
+                                       else f"<error {event}>")
+                    if len(out["text"]) >= tokens_seen:
+                        seen.set()
+        seen.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, seen, out
+
+
+def test_a_late_write_from_one_rank_never_lands_in_the_blocks_d_recomputes_in(tiny_model,
+                                                                              reference):
+    """P's rank 1 refuses its WRITE (PUSH_FAIL) while rank 0's WRITE lands late, as over a
+    slow network: D recomputes at once, in fresh blocks. The blocks the request registered
+    stay held until rank 0's WRITE is over (it lands in them, not in the request's KV) and
+    are freed after. Recomputing in the registered blocks let the late WRITE overwrite the
+    KV D had decoded into the prompt's last, partial block: the answer left colocated's.
+
+    No bet on the CPU's speed: D's engine core (its scheduler; the TP workers, whose agents
+    the WRITE needs, run on) is held with SIGSTOP from D's third token until P counts the
+    late WRITE done, so it lands while the request still decodes."""
+    with cluster(tiny_model, num_blocks=NUM_BLOCKS, name="tp-late-write",
+                 p_extra=LATE_WRITE, p_args=TP2, d_args=[TP2], with_proxy=False) as dep:
+        d = dep.d
+        prompt = prompts(1, seed=605, lo=54, hi=54)[0]  # 4 blocks, the last one partial
+        want = reference([prompt], LONG_TOKENS)[0]
+        writes = metric(dep.p, "pdserve:kv_push_writes_total")
+        recomputed = metric(d, "pdserve:kv_recompute_fallback_total")
+        p_leg, d_leg = legs(dep, prompt, "tid-late-write", max_tokens=LONG_TOKENS)
+        thread, seen, out = _stream_in_thread(d.url, d_leg, "tid-late-write", 3)
+        assert post_sync(dep.p.url, p_leg, "tid-late-write").status_code == 200
+        assert seen.wait(60) and not out["done"], "D ended before it was held"
+        core = engine_core(d.pid)
+        core.suspend()
+        try:
+            wait_for(lambda: metric(dep.p, "pdserve:kv_push_writes_total") > writes,
+                     LATE_S + 20, "P rank 0's late WRITE")
+        finally:
+            core.resume()
+        thread.join(60)
+        assert out["done"] and "".join(out["text"]) == want
+        assert metric(d, "pdserve:kv_recompute_fallback_total") == recomputed + 1
+        assert_no_leaks([dep.p, d])

@@ -122,6 +122,14 @@ class FakeConnector:
         self.calls.append(("finished", request.request_id, list(block_ids)))
         return request.request_id in self.delay_free, {"params_for": request.request_id}
 
+    def request_load_failed(self, request: Request, block_ids: list[int]) -> bool:
+        """As the push connector: a held request's transfer is released now (it then holds
+        nothing more at its finish)."""
+        self.calls.append(("load_failed", request.request_id, list(block_ids)))
+        held = request.request_id in self.delay_free
+        self.delay_free.discard(request.request_id)
+        return held
+
     def update_connector_output(self, kvo) -> None:
         self.calls.append(("output", kvo))
 
@@ -625,6 +633,43 @@ def test_failed_recv_with_recompute_policy_computes_locally(make, local_hit):
     assert len(outs[0].new_token_ids) == 1
     h.run()
     assert h.final("d").finish_reason == FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("local_hit", [0, 8])
+def test_failed_recv_whose_blocks_a_write_may_still_hit_recomputes_in_fresh_ones(make,
+                                                                                local_hit):
+    """The connector says a WRITE may still land in the failed request's blocks (another TP
+    rank's part, or one D stopped waiting for): they stay held until the id comes back in
+    `finished_sending`, and the request recomputes in fresh blocks (its local prefix hit is
+    shared again: no WRITE targets it)."""
+    conn = FakeConnector(policy="recompute")
+    h = make(connector=conn)
+    kv = h.sched.kv_cache_manager
+    prompt = list(range(1, 41))
+    if local_hit:
+        h.sched.add_request(_req("local", prompt[:local_hit + 1], max_tokens=1))
+        h.run()
+    conn.remote["d"] = "async"
+    conn.delay_free.add("d")
+    h.sched.add_request(_req("d", prompt, max_tokens=2))
+    h.step()
+    old = kv.get_block_ids("d")
+    h.runner.kvo = KVConnectorOutput(failed_recving={"d": "P rank 1: WRITE failed"})
+    h.step()
+    assert conn.called("load_failed") == [("load_failed", "d", old)]
+    so, outs = h.step()
+    new = so.scheduled_new_reqs[0].block_ids
+    hit = local_hit // 4  # blocks of 4 tokens
+    assert new[:hit] == old[:hit]  # the local prefix hit, shared
+    assert not set(new[hit:]) & set(old[hit:]), "recomputed into blocks a WRITE may hit"
+    assert so.scheduled_new_reqs[0].num_computed_tokens == local_hit
+    while "d" in h.sched.requests:
+        h.step()
+    assert h.final("d").finish_reason == FinishReason.LENGTH
+    assert h.sched.has_work() and kv.num_free_blocks == kv.num_blocks - len(old)  # held
+    h.runner.kvo = KVConnectorOutput(finished_sending={"d"})  # nothing can land any more
+    h.step()
+    assert not h.sched.has_work() and kv.num_free_blocks == kv.num_blocks
 
 
 def test_failed_recv_with_fail_policy_is_an_error_reply(make):
