@@ -63,6 +63,8 @@ class PullScheduler(TransferScheduler):
         self.lease = float(kv.extra("kv_lease_duration", 30.0))
         self._accepted: dict[str, Claim] = {}  # D: claim made, READ not over
         self._reading: dict[str, int] = {}  # D: READ staged/in flight -> tokens it brings
+        # D: the READ failed (on some rank: another rank's may still run) and is not released
+        self._read_failed: set[str] = set()
         # (P engine, P request) -> until when a second claim is refused (inf: active).
         self._claimed: dict[tuple[str, str], float] = {}
         self.stats["kv_pull_refused_params_total"] = 0
@@ -165,11 +167,7 @@ class PullScheduler(TransferScheduler):
         rid = request.request_id
         self._kv_wait.pop(rid, None)  # a leg whose KV never landed
         self._seeds.pop(rid, None)
-        if rid in self._reading:  # D: the READ may still land in these blocks
-            del self._reading[rid]
-            self._end_claim(rid)
-            self._held.add(rid)
-            self._meta.released.append(rid)
+        if self._release_read(rid):
             return True, None
         if rid in self._accepted:  # D: finished before any READ was posted
             self._abandon(rid)
@@ -200,6 +198,23 @@ class PullScheduler(TransferScheduler):
         answer.update(to_params(sampled(request.output_token_ids, request.last_logprobs)))
         return True, signing.signed(self.security, answer)
 
+    def request_load_failed(self, request: TransferRequest, block_ids: list[int]) -> bool:
+        return self._release_read(request.request_id)
+
+    def _release_read(self, rid: str) -> bool:
+        """D: a READ may still land in the request's blocks (this rank's, or after one
+        rank's failed, another rank's): release it; every rank reports the id in
+        `finished_sending` once its own READ is over, and the blocks wait for that. False
+        when the request has no READ. (Pull runs at TP 1 today: a failed READ is the only
+        one and over, so its blocks come back a step later; a TP pull needs no change.)"""
+        if self._reading.pop(rid, None) is None and rid not in self._read_failed:
+            return False
+        self._read_failed.discard(rid)
+        self._end_claim(rid)
+        self._held.add(rid)
+        self._meta.released.append(rid)
+        return True
+
     def _abandon(self, rid: str) -> None:
         self._end_claim(rid)
         self._meta.abandoned.append(rid)
@@ -216,6 +231,7 @@ class PullScheduler(TransferScheduler):
         if self._reading.pop(request_id, None) is None:
             return False
         self._end_claim(request_id)
+        self._read_failed.add(request_id)  # released by the recompute or the request's end
         return True
 
     def _recv_done(self, request_id: str) -> int:
@@ -227,5 +243,6 @@ class PullScheduler(TransferScheduler):
 
     def table_sizes(self) -> dict[str, int]:
         return {"pull_sched_held": len(self._held), "pull_sched_accepted": len(self._accepted),
-                "pull_sched_reading": len(self._reading)}
+                "pull_sched_reading": len(self._reading),
+                "pull_sched_read_failed": len(self._read_failed)}
 

@@ -212,15 +212,23 @@ def test_failed_read_recomputes_the_prompt_locally():
     d, dc = _engine("D0", 7002, Clock())
     d.add_request(_req("d4", prompt, answer))
     _step(d)
+    registered = d.kv_cache_manager.get_block_ids("d4")
     _step(d, KVConnectorOutput(failed_recving={"d4": "READ from prefill engine P0 failed"}))
     so, _ = _step(d)
+    # another TP rank's READ may still land in the blocks the READ targeted: the request
+    # recomputes in fresh ones, and those wait until every rank's READ is over
+    assert so.kv_connector_metadata.released == ["d4"]
     assert so.num_scheduled_tokens == {"d4": len(prompt)}
+    assert not set(so.scheduled_new_reqs[0].block_ids) & set(registered)
     assert dc.get_stats()["kv_recompute_fallback_total"] == 1
     assert dc.get_stats()["kv_recv_failed_total"] == 1
     assert dc.get_stats()["kv_remote_prefill_tokens_total"] == 0
     while d.has_unfinished_requests():
         _step(d)
+    assert d.kv_cache_manager.num_free_blocks == NUM_BLOCKS - len(registered)
+    _step(d, KVConnectorOutput(finished_sending={"d4"}))  # every rank's READ is over
     assert d.kv_cache_manager.num_free_blocks == NUM_BLOCKS
+    assert not any(dc.table_sizes().values()) and not d.has_work()
 
 
 def test_failed_read_under_fail_policy_ends_the_request_with_the_reason():
@@ -234,6 +242,10 @@ def test_failed_read_under_fail_policy_ends_the_request_with_the_reason():
     (final,) = outs
     assert final.finish_reason == FinishReason.ERROR
     assert "P0 at 127.0.0.1:7001" in final.error
+    assert d.kv_cache_manager.num_free_blocks == NUM_BLOCKS - 3  # another rank may still READ
+    so, _ = _step(d)
+    assert so.kv_connector_metadata.released == ["d5"]
+    _step(d, KVConnectorOutput(finished_sending={"d5"}))
     assert d.kv_cache_manager.num_free_blocks == NUM_BLOCKS
     assert not any(dc.table_sizes().values())
 
