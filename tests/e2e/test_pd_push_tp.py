@@ -12,8 +12,8 @@ import asyncio
 import httpx
 import psutil
 import pytest
-from pd_harness import assert_no_leaks, deployment, metric
-from test_pd_first_token_push import _engine_core, _window_cpu, park_stray_legs
+from pd_harness import assert_no_leaks, deployment, engine_core, metric
+from test_pd_first_token_push import _window_cpu, park_stray_legs
 from test_pd_push import REMOTE_TOKENS, _complete_all, _detok, _prompts
 from test_pd_push import reference as reference  # noqa: F401 - the module fixture
 
@@ -73,7 +73,7 @@ def test_tp2_d_waiting_for_kv_does_not_poll(pd_tp2):
     queue: it wakes at most 5 times a second (the 1 s backstop and the proxy's stats call),
     where without the hook it stepped the parked requests every millisecond."""
     api = psutil.Process(pd_tp2.d.pid)
-    core = _engine_core(api)
+    core = engine_core(api.pid)
     procs = [api, *api.children(recursive=True)]
     # every D rank registers each leg with its P rank
     legs = park_stray_legs(pd_tp2, first=800, registrations_per_leg=2)
