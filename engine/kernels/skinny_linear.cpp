@@ -87,16 +87,27 @@ template <>
 struct Tiling<Avx512Bf16> : WideTiling {};
 #endif
 
-// How far ahead of its loads the single-row stream prefetches w, in bytes, on paths whose loads
-// are narrow (AVX2's 32 bytes): there the hardware prefetcher alone left the single stream at
-// 0.73-0.91 of the streaming read on a Zen 3 EPYC, and 2 KB ahead (a few hundred ns of
-// DRAM latency at ~20 GB/s) gained 5-15 % (paired runs, thread CPU time). The 64-byte loads
-// of AVX-512 already read at 0.95-1.0 and do not prefetch.
+// How far ahead of its loads the single-row stream prefetches w, in bytes. AVX2 (32-byte
+// loads): the hardware prefetcher alone left the single stream at 0.73-0.91 of the streaming
+// read on a Zen 3 EPYC, and 2 KB ahead (a few hundred ns of DRAM latency at ~20 GB/s) gained
+// 5-15 % (paired runs, thread CPU time). AVX-512: on an AMD EPYC its 64-byte loads read at
+// 0.95-1.0 without; on an Intel Xeon (Emerald Rapids) a bf16 row (vdpbf16ps, 32 weights a
+// step) read only ~10.5 GB/s of a 15.9 GB/s stream, and 4 KB ahead took it to 13-14 GB/s at
+// 1 thread, 16.8 -> 22-24 at 2 (weights in DRAM; 1.25x in L3), float32 1.01-1.08x; 2 KB gained
+// less, 8 KB no more (bit-identical: only a hint).
 template <typename P>
 constexpr int64_t kPrefetchBytes = 0;
 #if defined(__AVX2__) && defined(__FMA__)
 template <>
 constexpr int64_t kPrefetchBytes<Avx2> = 2048;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+template <>
+constexpr int64_t kPrefetchBytes<Avx512> = 4096;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+template <>
+constexpr int64_t kPrefetchBytes<Avx512Bf16> = 4096;
 #endif
 
 // A tile's share of its successor's weight rows: the NB rows of a tile are contiguous, so a
