@@ -14,9 +14,13 @@ class Stream(threading.Thread):
     """One streaming request on its own thread; records what came and when it ended."""
 
     def __init__(self, url: str, max_tokens: int, stream: bool = True,
-                 model: str = "tiny") -> None:
+                 model: str = "tiny", body: dict | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        """`body`: the request to stream instead of the default one (`max_tokens` then only
+        names the thread)."""
         super().__init__(daemon=True, name=f"stream-{max_tokens}")
         self.url, self.max_tokens, self.stream, self.model = url, max_tokens, stream, model
+        self.body, self.headers = body, headers
         self.events: list[str] = []
         self.first = threading.Event()
         self.ended_at: float | None = None
@@ -28,6 +32,8 @@ class Stream(threading.Thread):
                 "stream": self.stream, "ignore_eos": True}
         if self.stream:
             body["stream_options"] = {"include_usage": True}
+        if self.body is not None:
+            body = {**self.body, "stream": self.stream}
         try:
             if not self.stream:
                 self.first.set()
@@ -35,7 +41,7 @@ class Stream(threading.Thread):
                 self.status, self.events = r.status_code, [r.text]
                 return
             with httpx.stream("POST", self.url + "/v1/completions", json=body,
-                              timeout=120) as r:
+                              headers=self.headers, timeout=120) as r:
                 self.status = r.status_code
                 for line in r.iter_lines():
                     if line.startswith("data: "):

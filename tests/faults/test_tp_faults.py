@@ -25,10 +25,8 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import threading
 import time
 
-import httpx
 import psutil
 import pytest
 from fault_kit import (
@@ -47,6 +45,7 @@ from fault_kit import (
     wait_for,
 )
 from pd_harness import assert_no_leaks, engine_core, engine_stats
+from server_streams import Stream
 
 TP2 = ("--tensor-parallel-size", "2")
 NUM_BLOCKS = 256
@@ -189,32 +188,6 @@ LATE_WRITE = {"fault_injection": {"by_rank": {
     "1": {"fail_write": True, "delay_notif": {"PUSH_FAIL": 0.5}}}}}
 
 
-def _stream_in_thread(url: str, body: dict, rid: str, tokens_seen: int
-                      ) -> tuple[threading.Thread, threading.Event, dict]:
-    """Stream `body` from `url` in a thread; the event is set once `tokens_seen` text events
-    came; the dict gets `text` and `done` at the end."""
-    seen, out = threading.Event(), {"text": [], "done": False}
-
-    def run() -> None:
-        with httpx.Client(timeout=120) as c, c.stream(
-                "POST", f"{url}/v1/completions", json={**body, "stream": True},
-                headers={"X-Request-Id": rid}) as r:
-            for line in r.iter_lines():
-                if line == "data: [DONE]":
-                    out["done"] = True
-                elif line.startswith("data: "):
-                    event = json.loads(line[6:])
-                    out["text"].append(event["choices"][0]["text"] if "choices" in event
-                                       else f"<error {event}>")
-                    if len(out["text"]) >= tokens_seen:
-                        seen.set()
-        seen.set()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, seen, out
-
-
 def test_a_late_write_from_one_rank_never_lands_in_the_blocks_d_recomputes_in(tiny_model,
                                                                               reference):
     """P's rank 1 refuses its WRITE (PUSH_FAIL) while rank 0's WRITE lands late, as over a
@@ -236,9 +209,11 @@ def test_a_late_write_from_one_rank_never_lands_in_the_blocks_d_recomputes_in(ti
         writes = metric(dep.p, "pdserve:kv_push_writes_total")
         recomputed = metric(d, "pdserve:kv_recompute_fallback_total")
         p_leg, d_leg = legs(dep, prompt, "tid-late-write", max_tokens=LONG_TOKENS)
-        thread, seen, out = _stream_in_thread(d.url, d_leg, "tid-late-write", 3)
+        stream = Stream(d.url, LONG_TOKENS, body=d_leg, headers={"X-Request-Id": "tid-late-write"})
+        stream.start()
         assert post_sync(dep.p.url, p_leg, "tid-late-write").status_code == 200
-        assert seen.wait(60) and not out["done"], "D ended before it was held"
+        wait_for(lambda: len(stream.events) >= 3 or stream.ended_at, 60, "D's third token")
+        assert stream.ended_at is None, "D ended before it was held"
         core = engine_core(d.pid)
         core.suspend()
         try:
@@ -246,7 +221,8 @@ def test_a_late_write_from_one_rank_never_lands_in_the_blocks_d_recomputes_in(ti
                      LATE_S + 20, "P rank 0's late WRITE")
         finally:
             core.resume()
-        thread.join(60)
-        assert out["done"] and "".join(out["text"]) == want
+        stream.join(60)
+        assert stream.error is None and stream.events[-1] == "[DONE]"
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in stream.events[:-1]) == want
         assert metric(d, "pdserve:kv_recompute_fallback_total") == recomputed + 1
         assert_no_leaks([dep.p, d])
