@@ -152,9 +152,11 @@ def test_push_fail_from_one_p_rank_recomputes_at_once(one_rank_faults, reference
     out, latency = both_legs(dep, d, prompt, "tid-rank1-fails")
     assert text_of(out) == reference([prompt])[0]
     assert latency < TTL * 0.9, f"took {latency:.1f}s: rank 1's PUSH_FAIL did not end the wait"
-    # rank 0 wrote its heads, rank 1 refused: one failed receipt on D, one recompute
-    assert _grew(p_before, dep.p) == {"kv_push_writes_total": 1,
-                                      "kv_push_write_failures_total": 1}
+    # rank 1 refused: one failed receipt on D, one recompute. D releases the transfer at
+    # once (its blocks are recomputed elsewhere), so rank 0 wrote its heads only if its
+    # WRITE went out before D's cancel reached it (a race either way)
+    grew = _grew(p_before, dep.p)
+    assert grew["kv_push_write_failures_total"] == 1 and grew["kv_push_writes_total"] in (0, 1)
     assert kv_stat(dep.p, "kv_push_fail_sent_total") == fail_sent + 1
     assert _grew(d_before, d) == {"kv_recv_failed_total": 1, "kv_recompute_fallback_total": 1,
                                   "kv_registration_expired_total": 0}
