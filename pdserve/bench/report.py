@@ -215,7 +215,8 @@ def goals(runs: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
 def transfer_section(t: dict[str, Any] | None) -> list[str]:
     if not t:
         return ["not measured (see pd_raw/logs/transfer.txt)"]
-    keys = ("bytes", "descriptors", "num_blocks", "gbps", "memcpy_gbps", "ratio", "e2e_gbps",
+    keys = ("bytes", "descriptors", "num_blocks", "gbps", "memcpy_gbps", "ratio",
+            "memcpy_back_to_back_gbps", "e2e_gbps",
             "write_ms_median", "write_ms_p99", "e2e_ms_median", "ucx_tls", "verified")
     return ["| " + " | ".join(k for k in keys if k in t) + " |",
             "|" + "---|" * sum(1 for k in keys if k in t),

@@ -465,7 +465,9 @@ def test_bench_transfer_reports_design_keys_and_moves_the_right_bytes(tmp_path) 
     model = _bench_config(tmp_path)
     result = bench_transfer.run(model, num_tokens=100, block_size=16, iters=2, warmup=1,
                                 layout="scattered")
-    assert {"bytes", "descriptors", "gbps", "memcpy_gbps", "ratio"} <= set(result)
+    assert {"bytes", "descriptors", "gbps", "memcpy_gbps", "ratio",
+            "memcpy_back_to_back_gbps"} <= set(result)
+    assert result["memcpy_back_to_back_gbps"] > 0
     assert result["bytes"] == 7 * 2 * 2 * 16 * 2 * 16 * 4  # ceil(100/16) blocks
     assert result["descriptors"] == 7 and result["verified"] is True
     assert result["gbps"] > 0 and result["ratio"] == pytest.approx(
