@@ -2,14 +2,16 @@
 // and streaming-read bandwidth, each on `threads` OpenMP threads, returning the seconds the
 // slowest thread took (the caller turns them into GFLOP/s and GB/s).
 //
-// FMA peak: per thread kChains independent accumulators each updated `iters` times with one
-// fused multiply-add of a full vector register: iters * kChains * lanes * 2 FLOP. Enough chains
+// FMA peak: per thread `chains` independent accumulators each updated `iters` times with one
+// fused multiply-add of a full vector register: iters * chains * lanes * 2 FLOP. Enough chains
 // to cover latency x issue width (2 FMA pipes x 4-5 cycles = 8-10 in flight) and few enough to
 // stay in registers with the two constants: 16 of the 32 zmm registers with AVX-512, 12 of the
 // 16 ymm registers with AVX2 (16 chains there spilled to the stack: the loop then measured
 // 58 GFLOP/s a thread on a Zen 3 EPYC whose sgemm reached 86, against ~100 with 12). The
-// widest vectors present are used (AVX-512, else AVX2+FMA, else scalar floats: the build is
-// -march=native, so "present" is this CPU).
+// vectors are those of the path the kernels run on (current_isa(), isa.h: the widest this
+// CPU has unless PDSERVE_ISA forces a lower one), so the peak is the one those kernels can
+// reach: with PDSERVE_ISA=avx2 an AVX-512 CPU stands in for an AVX2 one (256-bit FMAs).
+// The streaming read always uses the widest vectors (the memory, not the path, bounds it).
 // bf16 peak: 16 chains of vdpbf16ps (2 bf16 products per fp32 lane): iters * 16 * 16 * 4 FLOP.
 // Clock: a chain of dependent register-register integer adds (one a cycle on every x86 core),
 // 8 per loop pass, so the FMA rate can be checked against issue width x clock
@@ -29,44 +31,41 @@
 #include <immintrin.h>
 #endif
 
+#include "isa.h"
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum256(__m256 v) {
+  float t[8];
+  _mm256_storeu_ps(t, v);
+  return t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+}
+#endif
 
 #if defined(__AVX512F__)
 using Vec = __m512;
 constexpr int kLanes = 16;
 inline Vec vset(float x) { return _mm512_set1_ps(x); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
-const char* kIsa = "avx512";
-constexpr int kChains = 16;
 #elif defined(__AVX2__) && defined(__FMA__)
 using Vec = __m256;
 constexpr int kLanes = 8;
 inline Vec vset(float x) { return _mm256_set1_ps(x); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-inline float vsum(Vec v) {
-  float t[8];
-  _mm256_storeu_ps(t, v);
-  return t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
-}
-const char* kIsa = "avx2";
-constexpr int kChains = 12;
+inline float vsum(Vec v) { return hsum256(v); }
 #else
 using Vec = float;
 constexpr int kLanes = 1;
 inline Vec vset(float x) { return x; }
-inline Vec vfma(Vec a, Vec b, Vec c) { return a * b + c; }
 inline Vec vload(const float* p) { return *p; }
 inline Vec vadd(Vec a, Vec b) { return a + b; }
 inline float vsum(Vec v) { return v; }
-const char* kIsa = "scalar";
-constexpr int kChains = 8;
 #endif
 
 // Runs body(thread index) on `threads` threads at once; returns the slowest thread's seconds.
@@ -90,22 +89,86 @@ volatile float g_sink;  // keeps the results alive so the loops are not optimise
 
 }  // namespace
 
-int64_t fma_lanes() { return kLanes; }
-std::string fma_isa() { return kIsa; }
-int64_t fma_chains() { return kChains; }
+namespace {
+
+// The FMA loop of one path: its vector, lanes and chains (see the top of this file).
+template <typename V, int Lanes, int Chains>
+struct Peak {
+  static constexpr int lanes = Lanes, chains = Chains;
+  template <typename Set, typename Fma, typename Add, typename Sum>
+  static double seconds(int threads, int64_t iters, Set set, Fma fma, Add add, Sum sum) {
+    return timed_parallel(threads, [&](int t) {
+      V acc[Chains];
+      for (int c = 0; c < Chains; ++c) acc[c] = set(1.f + 1e-3f * (c + t));
+      const V a = set(0.999999f), b = set(1e-7f);
+      for (int64_t i = 0; i < iters; ++i)
+        for (int c = 0; c < Chains; ++c) acc[c] = fma(acc[c], a, b);
+      V s = acc[0];
+      for (int c = 1; c < Chains; ++c) s = add(s, acc[c]);
+      g_sink = sum(s);
+    });
+  }
+};
+
+using ScalarPeak = Peak<float, 1, 8>;
+#if defined(__AVX2__) && defined(__FMA__)
+using Avx2Peak = Peak<__m256, 8, 12>;
+#endif
+#if defined(__AVX512F__)
+using Avx512Peak = Peak<__m512, 16, 16>;
+#endif
+
+// 2 = AVX-512, 1 = AVX2, 0 = scalar: the widest this build has that current_isa() allows.
+int peak_path() {
+#if defined(__AVX512F__)
+  if (current_isa() >= Isa::kAvx512) return 2;
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (current_isa() >= Isa::kAvx2) return 1;
+#endif
+  return 0;
+}
+
+}  // namespace
+
+int64_t fma_lanes() {
+  static constexpr int64_t lanes[] = {1, 8, 16};
+  return lanes[peak_path()];
+}
+std::string fma_isa() {
+  static const char* names[] = {"scalar", "avx2", "avx512"};
+  return names[peak_path()];
+}
+int64_t fma_chains() {
+  static constexpr int64_t chains[] = {ScalarPeak::chains, 12, 16};
+  return chains[peak_path()];
+}
 
 // Seconds for iters * fma_chains() vector FMAs on each of `threads` threads.
 double fma_seconds(int64_t threads, int64_t iters) {
-  return timed_parallel(static_cast<int>(threads), [&](int t) {
-    Vec acc[kChains];
-    for (int c = 0; c < kChains; ++c) acc[c] = vset(1.f + 1e-3f * (c + t));
-    const Vec a = vset(0.999999f), b = vset(1e-7f);
-    for (int64_t i = 0; i < iters; ++i)
-      for (int c = 0; c < kChains; ++c) acc[c] = vfma(acc[c], a, b);
-    Vec s = acc[0];
-    for (int c = 1; c < kChains; ++c) s = vadd(s, acc[c]);
-    g_sink = vsum(s);
-  });
+  const int n = static_cast<int>(threads);
+  switch (peak_path()) {
+#if defined(__AVX512F__)
+    case 2:
+      return Avx512Peak::seconds(
+          n, iters, [](float x) { return _mm512_set1_ps(x); },
+          [](__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); },
+          [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); },
+          [](__m512 v) { return _mm512_reduce_add_ps(v); });
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    case 1:
+      return Avx2Peak::seconds(
+          n, iters, [](float x) { return _mm256_set1_ps(x); },
+          [](__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); },
+          [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); },
+          [](__m256 v) { return hsum256(v); });
+#endif
+    default:
+      return ScalarPeak::seconds(
+          n, iters, [](float x) { return x; }, [](float a, float b, float c) { return a * b + c; },
+          [](float a, float b) { return a + b; }, [](float v) { return v; });
+  }
 }
 
 bool has_bf16_dot() {

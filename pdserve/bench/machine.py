@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from typing import Any
 
@@ -61,6 +62,9 @@ def machine_limits(threads: list[int], repeats: int, buffer_mib: int,
         entry["read_gbps"] = round(buf.numel() * 4 / read / 1e9, 2)
         out[t] = entry
     return {"fma_isa": k.fma_isa(), "fma_lanes": lanes, "fma_chains": chains,
+            # what a stand-in for a narrower CPU forced (all three, or a gemm beats the peak)
+            "isa_env": {v: os.environ.get(v) for v in (
+                "PDSERVE_ISA", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")},
             "bf16_dot": k.has_bf16_dot(),
             "buffer_mib": buffer_mib, "threads": out}
 
