@@ -15,3 +15,12 @@ def test_the_peak_loop_follows_the_kernel_path(kernel_isa):
         isa, lanes, chains)
     assert kernel_isa.fma_seconds(1, 10_000) > 0
 
+
+
+def test_a_stand_in_whose_gemm_beats_the_peak_is_told_which_library_kept_wide_vectors():
+    from pdserve.bench.roofline import _standin_hint
+
+    env = {"PDSERVE_ISA": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": None}
+    assert "without MKL_ENABLE_INSTRUCTIONS" in _standin_hint({"isa_env": env})
+    assert _standin_hint({"isa_env": {**env, "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}) == ""
+    assert _standin_hint({"isa_env": {"PDSERVE_ISA": None}}) == ""
