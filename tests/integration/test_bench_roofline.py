@@ -28,13 +28,24 @@ def result(tiny_model, tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
+def _gemm_ceiling(limits: dict) -> float:
+    """How far above the peak a gemm may run: a little (timing noise on a tiny model), or,
+    where the kernels are forced onto a narrower path (PDSERVE_ISA, as CI's AVX2 pass does)
+    while oneDNN or MKL keep this CPU's widest vectors, by the ratio of the widths too."""
+    env = limits["isa_env"]
+    partial = env["PDSERVE_ISA"] and not (env["ONEDNN_MAX_CPU_ISA"]
+                                          and env["MKL_ENABLE_INSTRUCTIONS"])
+    return 1.5 * (16 / limits["fma_lanes"] if partial else 1)
+
+
 def test_roofline_reports_the_fractions_and_the_machine(result):
-    assert 0 < result["prefill_fma_fraction"] <= 1.5
+    ceiling = _gemm_ceiling(result["limits"])
+    assert 0 < result["prefill_fma_fraction"] <= ceiling
     # The tiny model's weights fit in the caches, so its decode may beat DRAM bandwidth.
     assert 0 < result["decode_bandwidth_fraction"] < 20
     assert result["prefill_fma_fraction_threads"] == 1
     # The practical bound: torch's sgemm on the model's own matmul shapes.
-    assert 0 < result["prefill_fma_bound"] <= 1.5
+    assert 0 < result["prefill_fma_bound"] <= ceiling
     assert result["float32"]["1"]["sgemm_gflops"] > 0
     assert result["decode_bandwidth_fraction_threads"] == 1
     lim = result["limits"]["threads"]["1"]
