@@ -32,10 +32,9 @@ def _gemm_ceiling(limits: dict) -> float:
     """How far above the peak a gemm may run: a little (timing noise on a tiny model), or,
     where the kernels are forced onto a narrower path (PDSERVE_ISA, as CI's AVX2 pass does)
     while oneDNN or MKL keep this CPU's widest vectors, by the ratio of the widths too."""
-    env = limits["isa_env"]
-    partial = env["PDSERVE_ISA"] and not (env["ONEDNN_MAX_CPU_ISA"]
-                                          and env["MKL_ENABLE_INSTRUCTIONS"])
-    return 1.5 * (16 / limits["fma_lanes"] if partial else 1)
+    from pdserve.bench.roofline import _standin_hint
+
+    return 1.5 * (16 / limits["fma_lanes"] if _standin_hint(limits) else 1)
 
 
 def test_roofline_reports_the_fractions_and_the_machine(result):
