@@ -1,11 +1,13 @@
 """A/B of two builds of the compiled kernels in one process, interleaved: paged_decode at
-batch 1/8/32 x 1024 context (bench-llama's attention shapes, blocks in random order) and
-skinny_linear on bench-llama's weights, fp32 and bf16; best of 3 x 9 runs each, thread CPU
-time at 1 thread (a loaded machine's run-queue waits left out), wall time at more.
+batch 1/8/32 x 1024 context (bench-llama's attention shapes, blocks in random order),
+skinny_linear on bench-llama's weights and prefill_attention over 1024 fresh tokens (8 layers
+of bench-llama's heads), fp32 and bf16; best of 3 x 9 runs each, thread CPU time at 1 thread
+(a loaded machine's run-queue waits left out), wall time at more.
 
-usage: python scripts/decode_kernels_ab.py OLD_HASH NEW_HASH THREADS paged,skinny
-(two builds under ~/.cache/pdserve/kernels/pdserve_kernels_<hash>.so). Prints GB/s of each
-and NEW/OLD; skinny outputs must be equal, paged ones close (max difference printed).
+usage: python scripts/decode_kernels_ab.py OLD_HASH NEW_HASH THREADS paged,skinny,prefill [ISA]
+(two builds under ~/.cache/pdserve/kernels/pdserve_kernels_<hash>.so; ISA: the path both run,
+as PDSERVE_ISA names it). Prints GB/s (GFLOP/s for prefill) of each and NEW/OLD; skinny
+outputs must be equal, the attentions' close (max difference printed).
 """
 
 from __future__ import annotations
@@ -38,11 +40,11 @@ def best(fn, clock, n: int = 9) -> float:
     return out
 
 
-def ab(label: str, nbytes: float, fa, fb, clock, extra: str = "") -> None:
+def ab(label: str, nbytes: float, fa, fb, clock, extra: str = "", unit: str = "GB/s") -> None:
     ta = tb = float("inf")
     for _ in range(3):  # interleaved
         ta, tb = min(ta, best(fa, clock)), min(tb, best(fb, clock))
-    print(f"{label}: old {nbytes / ta / 1e9:6.2f} GB/s  new {nbytes / tb / 1e9:6.2f} GB/s  "
+    print(f"{label}: old {nbytes / ta / 1e9:6.2f} {unit}  new {nbytes / tb / 1e9:6.2f} {unit}  "
           f"new/old {ta / tb:.3f} {extra}", flush=True)
 
 
@@ -84,10 +86,29 @@ def paged(a, b, dt, clock) -> None:
            f"maxdiff {(oa - ob).abs().max().item():.2e}")
 
 
+def prefill(a, b, dt, clock) -> None:
+    layers, tokens, heads, kv, dim = 8, 1024, 8, 4, 64
+    qkv = [(torch.randn(tokens, heads, dim).to(dt), torch.randn(tokens, kv, dim).to(dt),
+            torch.randn(tokens, kv, dim).to(dt)) for _ in range(layers)]
+    oa, ob = torch.empty(tokens, heads, dim), torch.empty(tokens, heads, dim)
+
+    def run(k, out):
+        return lambda: [k.prefill_attention(out, q, kk, v, 0.125) for q, kk, v in qkv]
+
+    run(a, oa)()
+    run(b, ob)()
+    flop = 2 * layers * heads * dim * tokens * (tokens + 1)  # Q K^T and P V, causal
+    ab(f"prefill {str(dt)[6:]:8s} T={tokens}", flop, run(a, oa), run(b, ob), clock,
+       f"maxdiff {(oa - ob).abs().max().item():.2e}", "GFLOP/s")
+
+
 def main() -> None:
     a, b = load(sys.argv[1]), load(sys.argv[2])
     torch.set_num_threads(int(sys.argv[3]))
     what = sys.argv[4].split(",")
+    if len(sys.argv) > 5:
+        a.set_isa(sys.argv[5])
+        b.set_isa(sys.argv[5])
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     buf = torch.ones(256 << 18)
     t = best(lambda: a.read_seconds(buf, torch.get_num_threads()), clock, 5)
@@ -97,6 +118,8 @@ def main() -> None:
             skinny(a, b, dt, clock)
         if "paged" in what:
             paged(a, b, dt, clock)
+        if "prefill" in what:
+            prefill(a, b, dt, clock)
 
 
 if __name__ == "__main__":
