@@ -15,7 +15,11 @@
   count; and the compiled sgemm (sgemm.cpp) against that choice, per thread count and path;
 - the bf16 gemm: from how many rows (WIDEN_ROWS, largest first: the smallest count from which
   it wins at every larger one; 0 where it loses at the largest) the float32 gemm on widened
-  operands beats F.linear's bf16 (oneDNN), per thread count and path.
+  operands beats F.linear's bf16 (oneDNN), per thread count and path;
+- bf16 prefill attention on the avx512_bf16 path: vdpbf16ps pairs against float32 FMA tiles
+  (prefill_attention's bf16_pairs) on ATTENTION_SHAPE, per thread count (on the Intel Xeon
+  whose vdpbf16ps runs at half its FMAs' rate the tiles are 1.4x faster; on an AMD EPYC the
+  pairs were 1.6x).
 
 A measurement is trustworthy only on a machine that leaves it alone (a calibration taken at
 load 15 once made offline fp32 3x slower until measured again). So candidates are timed
@@ -68,6 +72,7 @@ CALIBRATION_SHAPE = (4096, 1024)  # [out, in]: 16 MiB in float32, 8 MiB in bf16
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 GEMM_ROWS = 256  # a prefill chunk's rows, well past every skinny threshold
 WIDEN_ROWS = (512, 256, 128, 64)  # bf16 gemms widened to float32 from one of these rows on
+ATTENTION_SHAPE = (512, 8, 4, 64)  # bf16 prefill attention: tokens, heads, kv heads, head_dim
 ROUNDS = 7
 AGREE = 0.15
 TIE = 0.05
@@ -328,6 +333,24 @@ def measure_from(first: Gemm, second: Gemm, dtype: torch.dtype,
     return Measured(best, noise)
 
 
+def measure_attention(kernel) -> Measured:
+    """1 where kernel.prefill_attention on bf16 pairs is not slower than on float32 tiles,
+    over ATTENTION_SHAPE's bf16 prefill, else 0."""
+    if noise := Watch.probe(torch.get_num_threads()):
+        return Measured(None, noise)
+    gen = torch.Generator().manual_seed(0)
+    tokens, heads, kv_heads, dim = ATTENTION_SHAPE
+    q = torch.randn(tokens, heads, dim, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(tokens, kv_heads, dim, generator=gen).to(torch.bfloat16) for _ in "kv")
+    out = torch.empty(tokens, heads, dim)
+    watch = Watch(torch.get_num_threads())
+    (a, b), noise = race([lambda: kernel.prefill_attention(out, q, k, v, dim ** -0.5, True),
+                          lambda: kernel.prefill_attention(out, q, k, v, dim ** -0.5, False)],
+                         watch)
+    noise = noise or watch.noise()
+    return Measured(None, noise) if noise else Measured(int(a <= b), None)
+
+
 # --- one process's view of the store ----------------------------------------------------
 
 
@@ -411,3 +434,7 @@ def sgemm_key(threads: int, isa: str) -> str:
 
 def widen_key(threads: int, isa: str) -> str:
     return f"bfloat16:{threads}:{isa}:widen"
+
+
+def attention_key(threads: int, isa: str) -> str:
+    return f"bfloat16:{threads}:{isa}:attn_pairs"

@@ -16,7 +16,9 @@ thresholds: on an AVX-512 AMD EPYC it is 1.3x MKL on the model's prefill shapes
 (docs/performance.md). bf16 F.linear goes to oneDNN, except from `widen_rows` rows on
 where this machine measured the float32 gemm on widened operands faster (`widened_linear`:
 a core whose vdpbf16ps runs at half its float32 FMAs' rate, as an Intel Golden Cove Xeon
-without AMX does). PDSERVE_LINEAR=torch keeps F.linear everywhere.
+without AMX does). PDSERVE_LINEAR=torch keeps F.linear everywhere. The same measured store
+holds one attention choice: `bf16_attention_pairs()`, whether bf16 prefill attention runs
+on vdpbf16ps pairs or on float32 FMA tiles on such a core.
 `row_kernels(x)` hands the layers the compiled row kernels for float32 and bf16: `rope_`
 (rope.cpp: q and k rotated in place in a q|k|v matmul output, one pass), `add_rms_norm`
 (rms_norm.cpp) and the SwiGLU activation `silu_mul` (silu_mul.cpp).
@@ -132,6 +134,19 @@ def widen_rows(threads: int) -> int:
     return _widen(threads, _isa())
 
 
+_attn_pairs = calibrate.Choices(
+    "bf16 prefill attention on vdpbf16ps pairs (1) or float32 tiles (0)",
+    calibrate.attention_key, lambda threads, isa: calibrate.measure_attention(compiled()),
+    lambda threads, isa: 1)
+
+
+def bf16_attention_pairs() -> bool:
+    """prefill_attention's bf16_pairs for this thread count: measured once per machine where
+    the kernels run on avx512_bf16 (the only path with pairs), then read from the store."""
+    isa = _isa()
+    return isa != "avx512_bf16" or bool(_attn_pairs(torch.get_num_threads(), isa))
+
+
 def blas_linear(x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 gemm `large_linear` runs without the compiled sgemm (oneDNN or MKL)."""
@@ -198,7 +213,7 @@ def recalibrate() -> dict[str, int | None]:
     kernel = linear_kernel()
     if kernel is None:
         return {}
-    for choices in (_onednn, _sgemm, _thresholds, _widen):
+    for choices in (_onednn, _sgemm, _thresholds, _widen, _attn_pairs):
         choices.cache_clear()
     _skinny.clear()
     threads, isa = torch.get_num_threads(), kernel.get_isa()
@@ -216,6 +231,9 @@ def recalibrate() -> dict[str, int | None]:
     # after the float32 choices: the widened gemm is large_linear's
     runs["bfloat16_widen"] = (calibrate.widen_key(threads, isa), lambda: calibrate.measure_from(
         widened_linear, F.linear, torch.bfloat16))
+    if isa == "avx512_bf16":
+        runs["bfloat16_attention_pairs"] = (calibrate.attention_key(threads, isa),
+                                            lambda: calibrate.measure_attention(kernel))
     out: dict[str, int | None] = {}
     for name, (key, run) in runs.items():
         got = calibrate.measure_and_store(key, run)

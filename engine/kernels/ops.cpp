@@ -19,7 +19,7 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads)
 void write_kv(torch::Tensor rows, torch::Tensor slots, int64_t offset, int64_t bs,
               torch::Tensor k, torch::Tensor v);
 void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                       double scale);
+                       double scale, bool bf16_pairs);
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w);
 torch::Tensor sgemm(torch::Tensor x, torch::Tensor w);
 int64_t fma_lanes();
@@ -72,7 +72,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "write one step's K and V at their paged-cache slots (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention", &prefill_attention, "causal prefill attention, flash style (CPU)",
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("out"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"),
+        py::arg("bf16_pairs") = true, py::call_guard<py::gil_scoped_release>());
   m.def("skinny_linear", &skinny_linear, "x @ w^T for a few rows of x (CPU, float32 or bf16)",
         py::call_guard<py::gil_scoped_release>());
   m.def("sgemm", &sgemm, "x @ w^T for many rows of x (CPU, float32, AVX2+FMA paths)",

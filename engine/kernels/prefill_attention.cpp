@@ -419,14 +419,16 @@ void prefill(float* out, const T* q, const T* k, const T* v, int64_t ldq, int64_
 }
 
 // prefill on the best path current_isa() allows (any input dtype: the kernel computes on
-// float32 copies, or bf16 pairs for bf16 on avx512_bf16), a vector one when head_dim is a
-// multiple of its width.
+// float32 copies, or, unless bf16_pairs is false, bf16 pairs for bf16 on avx512_bf16), a
+// vector one when head_dim is a multiple of its width.
 template <typename T, typename... A>
-void prefill_on_path(int64_t dim, A... args) {
+void prefill_on_path(bool bf16_pairs, int64_t dim, A... args) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16>)
-    if (current_isa() >= Isa::kAvx512Bf16 && dim % Avx512::kStep == 0)
+    if (bf16_pairs && current_isa() >= Isa::kAvx512Bf16 && dim % Avx512::kStep == 0)
       return prefill<Avx512, Bf16Tiles, T>(args...);
+#else
+  (void)bf16_pairs;
 #endif
   constexpr int64_t kb = std::is_same_v<T, bf16> ? kBf16Keys : kFloatKeys;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -444,9 +446,12 @@ void prefill_on_path(int64_t dim, A... args) {
 
 // out: float32 [T, H, D] contiguous; q: [T, H, D]; k, v: [S, KV, D] with S >= T, q, k, v of
 // one dtype, each with contiguous heads (any row stride: views of the fused q|k|v matmul
-// output do). Query i sits at position S - T + i and sees keys 0 .. S - T + i.
+// output do). Query i sits at position S - T + i and sees keys 0 .. S - T + i. bf16_pairs:
+// bf16 inputs on the avx512_bf16 path take vdpbf16ps (else float32 FMA tiles, as on avx512:
+// faster on a core whose vdpbf16ps runs at half its FMAs' rate; engine/kernels/linear.py
+// measures which).
 void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                       double scale) {
+                       double scale, bool bf16_pairs) {
   TORCH_CHECK(out.scalar_type() == torch::kFloat, "prefill_attention: out must be float32");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
               "prefill_attention: q, k and v must share a dtype");
@@ -465,7 +470,7 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torc
   const float s = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention",
                                   [&] {
-    prefill_on_path<scalar_t>(dim, out.data_ptr<float>(), q.data_ptr<scalar_t>(),
+    prefill_on_path<scalar_t>(bf16_pairs, dim, out.data_ptr<float>(), q.data_ptr<scalar_t>(),
                               k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), q.stride(0),
                               k.stride(0), v.stride(0), tokens, keys, heads, kv_heads, dim, s);
   });

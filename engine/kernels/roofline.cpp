@@ -27,45 +27,20 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-#include "isa.h"
+#include "simd.h"
 
 namespace {
 
+using namespace simd;
 using Clock = std::chrono::steady_clock;
 
-#if defined(__AVX2__) && defined(__FMA__)
-inline float hsum256(__m256 v) {
-  float t[8];
-  _mm256_storeu_ps(t, v);
-  return t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
-}
-#endif
-
-#if defined(__AVX512F__)
-using Vec = __m512;
-constexpr int kLanes = 16;
-inline Vec vset(float x) { return _mm512_set1_ps(x); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+// The streaming read's vectors: the widest this build has, whatever path the kernels run.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+using Widest = Avx512;
 #elif defined(__AVX2__) && defined(__FMA__)
-using Vec = __m256;
-constexpr int kLanes = 8;
-inline Vec vset(float x) { return _mm256_set1_ps(x); }
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-inline float vsum(Vec v) { return hsum256(v); }
+using Widest = Avx2;
 #else
-using Vec = float;
-constexpr int kLanes = 1;
-inline Vec vset(float x) { return x; }
-inline Vec vload(const float* p) { return *p; }
-inline Vec vadd(Vec a, Vec b) { return a + b; }
-inline float vsum(Vec v) { return v; }
+using Widest = Scalar;
 #endif
 
 // Runs body(thread index) on `threads` threads at once; returns the slowest thread's seconds.
@@ -87,88 +62,52 @@ double timed_parallel(int threads, F body) {
 
 volatile float g_sink;  // keeps the results alive so the loops are not optimised away
 
-}  // namespace
-
-namespace {
-
-// The FMA loop of one path: its vector, lanes and chains (see the top of this file).
-template <typename V, int Lanes, int Chains>
+// The FMA loop of one path (simd.h's P): acc = acc * a + b on Chains accumulators.
+template <typename P, int Chains>
 struct Peak {
-  static constexpr int lanes = Lanes, chains = Chains;
-  template <typename Set, typename Fma, typename Add, typename Sum>
-  static double seconds(int threads, int64_t iters, Set set, Fma fma, Add add, Sum sum) {
+  static constexpr int chains = Chains;
+  static double seconds(int threads, int64_t iters) {
     return timed_parallel(threads, [&](int t) {
-      V acc[Chains];
-      for (int c = 0; c < Chains; ++c) acc[c] = set(1.f + 1e-3f * (c + t));
-      const V a = set(0.999999f), b = set(1e-7f);
+      typename P::V acc[Chains];
+      for (int c = 0; c < Chains; ++c) acc[c] = P::set1(1.f + 1e-3f * (c + t));
+      const auto a = P::set1(0.999999f), b = P::set1(1e-7f);
       for (int64_t i = 0; i < iters; ++i)
-        for (int c = 0; c < Chains; ++c) acc[c] = fma(acc[c], a, b);
-      V s = acc[0];
-      for (int c = 1; c < Chains; ++c) s = add(s, acc[c]);
-      g_sink = sum(s);
+        for (int c = 0; c < Chains; ++c) acc[c] = P::template madd<float>(b, acc[c], a);
+      auto s = acc[0];
+      for (int c = 1; c < Chains; ++c) s = P::add(s, acc[c]);
+      g_sink = P::hsum(s);
     });
   }
 };
 
-using ScalarPeak = Peak<float, 1, 8>;
-#if defined(__AVX2__) && defined(__FMA__)
-using Avx2Peak = Peak<__m256, 8, 12>;
-#endif
-#if defined(__AVX512F__)
-using Avx512Peak = Peak<__m512, 16, 16>;
-#endif
+// Chains and lanes of the path current_isa() allows (the widest this build has unless
+// PDSERVE_ISA forces a lower one), and its FMA loop.
+struct PeakPath {
+  const char* isa;
+  int64_t lanes, chains;
+  double (*seconds)(int, int64_t);
+};
 
-// 2 = AVX-512, 1 = AVX2, 0 = scalar: the widest this build has that current_isa() allows.
-int peak_path() {
-#if defined(__AVX512F__)
-  if (current_isa() >= Isa::kAvx512) return 2;
+PeakPath peak_path() {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (current_isa() >= Isa::kAvx512)
+    return {"avx512", Avx512::kStep, 16, &Peak<Avx512, 16>::seconds};
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  if (current_isa() >= Isa::kAvx2) return 1;
+  if (current_isa() >= Isa::kAvx2) return {"avx2", Avx2::kStep, 12, &Peak<Avx2, 12>::seconds};
 #endif
-  return 0;
+  return {"scalar", 1, 8, &Peak<Scalar, 8>::seconds};
 }
 
 }  // namespace
 
-int64_t fma_lanes() {
-  static constexpr int64_t lanes[] = {1, 8, 16};
-  return lanes[peak_path()];
-}
-std::string fma_isa() {
-  static const char* names[] = {"scalar", "avx2", "avx512"};
-  return names[peak_path()];
-}
-int64_t fma_chains() {
-  static constexpr int64_t chains[] = {ScalarPeak::chains, 12, 16};
-  return chains[peak_path()];
-}
+int64_t fma_lanes() { return peak_path().lanes; }
+std::string fma_isa() { return peak_path().isa; }
+int64_t fma_chains() { return peak_path().chains; }
 
 // Seconds for iters * fma_chains() vector FMAs on each of `threads` threads.
 double fma_seconds(int64_t threads, int64_t iters) {
-  const int n = static_cast<int>(threads);
-  switch (peak_path()) {
-#if defined(__AVX512F__)
-    case 2:
-      return Avx512Peak::seconds(
-          n, iters, [](float x) { return _mm512_set1_ps(x); },
-          [](__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); },
-          [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); },
-          [](__m512 v) { return _mm512_reduce_add_ps(v); });
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-    case 1:
-      return Avx2Peak::seconds(
-          n, iters, [](float x) { return _mm256_set1_ps(x); },
-          [](__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); },
-          [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); },
-          [](__m256 v) { return hsum256(v); });
-#endif
-    default:
-      return ScalarPeak::seconds(
-          n, iters, [](float x) { return x; }, [](float a, float b, float c) { return a * b + c; },
-          [](float a, float b) { return a + b; }, [](float v) { return v; });
-  }
+  return peak_path().seconds(static_cast<int>(threads), iters);
 }
 
 bool has_bf16_dot() {
@@ -228,17 +167,17 @@ double read_seconds(torch::Tensor buf, int64_t threads) {
               "read_seconds: buf must be contiguous float32");
   const float* p = buf.data_ptr<float>();
   const int64_t n = buf.numel();
-  const int64_t step = 4 * kLanes;
+  constexpr int64_t kLanes = Widest::kStep, step = 4 * kLanes;
   const int64_t per = (n / threads) / step * step;
   return timed_parallel(static_cast<int>(threads), [&](int t) {
     const float* q = p + t * per;
-    Vec s0 = vset(0.f), s1 = vset(0.f), s2 = vset(0.f), s3 = vset(0.f);
+    auto s0 = Widest::zero(), s1 = s0, s2 = s0, s3 = s0;
     for (int64_t i = 0; i < per; i += step) {
-      s0 = vadd(s0, vload(q + i));
-      s1 = vadd(s1, vload(q + i + kLanes));
-      s2 = vadd(s2, vload(q + i + 2 * kLanes));
-      s3 = vadd(s3, vload(q + i + 3 * kLanes));
+      s0 = Widest::add(s0, Widest::loadf(q + i));
+      s1 = Widest::add(s1, Widest::loadf(q + i + kLanes));
+      s2 = Widest::add(s2, Widest::loadf(q + i + 2 * kLanes));
+      s3 = Widest::add(s3, Widest::loadf(q + i + 3 * kLanes));
     }
-    g_sink = vsum(vadd(vadd(s0, s1), vadd(s2, s3)));
+    g_sink = Widest::hsum(Widest::add(Widest::add(s0, s1), Widest::add(s2, s3)));
   });
 }

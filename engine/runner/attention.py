@@ -20,7 +20,8 @@ its own length. Without it they are gathered with index_select and batched into 
 scaled_dot_product_attention calls, grouped by length. Float32 prefills and fresh bf16
 prefills go to the compiled flash-style causal kernel (prefill_attention.cpp: GQA-aware
 tiles, tiles above the diagonal skipped, fp32 accumulation, bf16's softmax weights rounded
-to bf16 before P V as torch's SDPA does; 1.6x SDPA on a 1024-token fp32 prompt); other
+to bf16 before P V as torch's SDPA does; 1.6x SDPA on a 1024-token fp32 prompt; bf16 on
+vdpbf16ps pairs or float32 tiles, whichever engine/kernels/linear.py measured faster); other
 dtypes, bf16 prefills over cached keys, and all prefills without the kernels to
 scaled_dot_product_attention.
 """
@@ -32,6 +33,8 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+from engine.kernels.linear import bf16_attention_pairs
 
 
 @dataclass
@@ -213,7 +216,8 @@ class PagedAttention:
         # kernel.
         bf16_fresh = q.dtype == torch.bfloat16 and start == 0
         if self.kernel is not None and (q.dtype == torch.float32 or bf16_fresh):
-            self.kernel.prefill_attention(out, q[rows], ks, vs, self.scale)
+            self.kernel.prefill_attention(out, q[rows], ks, vs, self.scale,
+                                          not bf16_fresh or bf16_attention_pairs())
             return
         mask = None
         if start:

@@ -30,9 +30,14 @@ QUESTIONS = [
 # does with dtype=bfloat16, and both sum in their own orders through 30 layers (the tiny models
 # have 4), so the difference the roundings leave before the final one is larger: two bf16
 # steps, not one (measured on the AMD EPYC, AVX2 and AVX-512: up to 3 steps, 0.375 at logits
-# |16..32|, where one step is 0.125). Skinny rows that drop their last 8 inputs (an AVX2
-# tail bug) put 106 of 526 tokens off the argmax, up to 41 steps.
-GGUF_TIE_ULPS = 4
+# |16..32|, where one step is 0.125). On the Intel Xeon's avx2 path with the dispatch's
+# default for an unmeasured machine (prefill's bf16 gemms on oneDNN, not the float32 gemm on
+# widened operands: both within 0.02 % of correctly rounded on SmolLM2's shapes), "Name a
+# mammal that can fly." token 12 sat 5 steps below (the same before and after session 14's
+# kernel changes): a calibration that a loaded machine leaves unstored must not fail it.
+# Skinny rows that drop their last 8 inputs (an AVX2 tail bug) put 106 of 526 tokens off the
+# argmax, up to 41 steps.
+GGUF_TIE_ULPS = 5
 
 
 @pytest.fixture(scope="module")

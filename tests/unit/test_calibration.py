@@ -17,7 +17,7 @@ import torch
 from engine.kernels import calibrate
 from engine.kernels import linear as linear_mod
 
-CHOICES = (linear_mod._onednn, linear_mod._sgemm, linear_mod._thresholds)
+CHOICES = (linear_mod._onednn, linear_mod._sgemm, linear_mod._thresholds, linear_mod._attn_pairs)
 
 
 @pytest.fixture
@@ -145,6 +145,30 @@ def test_quiet_measurements_are_stored_per_dtype_threads_and_path(store, gates_o
     table = _stored(store)
     assert keys <= set(table) and all(isinstance(table[k]["at"], int) for k in keys)
     assert linear_mod.skinny_rows(torch.float16) == 0
+
+
+def test_bf16_attention_layout_is_measured_stored_and_read_back(store, gates_open):
+    """bf16 prefill attention on vdpbf16ps pairs or on float32 tiles: measured on the
+    avx512_bf16 path (the only one with pairs) and stored under its key; a stored choice then
+    decides without measuring; on another path nothing is measured and there are no pairs."""
+    kernel = linear_mod.linear_kernel()
+    if "avx512_bf16" not in kernel.isa_paths():
+        pytest.skip(f"this CPU has no avx512_bf16 (its paths: {kernel.isa_paths()})")
+    best = kernel.get_isa()
+    key = calibrate.attention_key(1, "avx512_bf16")
+    try:
+        kernel.set_isa("avx512")
+        assert linear_mod.bf16_attention_pairs() is True and _stored(store) == {}
+        kernel.set_isa("avx512_bf16")
+        got = _settle(linear_mod._attn_pairs, linear_mod.bf16_attention_pairs)
+        assert _stored(store)[key]["v"] == int(got)
+        linear_mod._attn_pairs.cache_clear()
+        store.write_text(json.dumps({key: {"v": int(not got), "at": time.time()}}))
+        start = time.perf_counter()
+        assert linear_mod.bf16_attention_pairs() is (not got)
+        assert time.perf_counter() - start < 0.05  # read, not measured
+    finally:
+        kernel.set_isa(best)
 
 
 HOLD = """

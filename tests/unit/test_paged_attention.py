@@ -110,13 +110,15 @@ def _check(kernel, dtype, lens=LENS, seeds=3, fused=False):
         torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("pairs", [True, False], ids=["pairs", "float-tiles"])
 @pytest.mark.parametrize(("tokens", "keys"), [(700, 700), (300, 1100)],
                          ids=["fresh", "over-cached-keys"])
-def test_bf16_prefill_rounds_like_torch_sdpa(kernel_isa, tokens, keys):
+def test_bf16_prefill_rounds_like_torch_sdpa(kernel_isa, tokens, keys, pairs):
     """bf16 prefill attention against torch's SDPA (CPU flash attention, what transformers
     runs) over several of its 512-key blocks: the softmax weights are rounded to bf16 at the
     same running maxima, so the outputs agree to the last bf16 bit but for summation order
-    (with 128-key tiles ~10 % of the values differed)."""
+    (with 128-key tiles ~10 % of the values differed). Both layouts on avx512_bf16: vdpbf16ps
+    pairs and float32 tiles (bf16_pairs=False: the avx512 path's tiles, the same bits)."""
     import torch.nn.functional as F
 
     gen = torch.Generator().manual_seed(tokens + keys)
@@ -125,7 +127,13 @@ def test_bf16_prefill_rounds_like_torch_sdpa(kernel_isa, tokens, keys):
     k = (torch.randn(keys, kv, dim, generator=gen) * 2).bfloat16()
     v = torch.randn(keys, kv, dim, generator=gen).bfloat16()
     out = torch.empty(tokens, heads, dim)
-    kernel_isa.prefill_attention(out, q, k, v, dim ** -0.5)
+    kernel_isa.prefill_attention(out, q, k, v, dim ** -0.5, pairs)
+    if not pairs and kernel_isa.get_isa() == "avx512_bf16":
+        tiles = torch.empty(tokens, heads, dim)
+        kernel_isa.set_isa("avx512")
+        kernel_isa.prefill_attention(tiles, q, k, v, dim ** -0.5)
+        kernel_isa.set_isa("avx512_bf16")
+        assert torch.equal(out, tiles)
     start = keys - tokens
     mask = (torch.arange(keys)[None, :] <= torch.arange(start, keys)[:, None]) if start else None
     want = F.scaled_dot_product_attention(
