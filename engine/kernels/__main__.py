@@ -1,5 +1,6 @@
 """`python -m engine.kernels [--recalibrate]`: build (or find) the kernels and measure the
-skinny_linear thresholds; --recalibrate measures them again."""
+skinny_linear thresholds (and the other dispatch choices: the bf16 gemm's widening, bf16
+prefill attention's layout on avx512_bf16); --recalibrate measures them again."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 import torch
 
 from engine.kernels import cached_path, compiled
-from engine.kernels.linear import recalibrate, skinny_rows, widen_rows
+from engine.kernels.linear import bf16_attention_pairs, recalibrate, skinny_rows, widen_rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = (recalibrate() if "--recalibrate" in argv else
             {**{dt: skinny_rows(getattr(torch, dt)) for dt in ("float32", "bfloat16")},
              "bfloat16_widen": widen_rows(torch.get_num_threads())})
+    if "--recalibrate" not in argv and mod.get_isa() == "avx512_bf16":
+        rows["bfloat16_attention_pairs"] = int(bf16_attention_pairs())
     print(f"CPU kernels: ready, path {mod.get_isa()} of {', '.join(mod.isa_paths())} "
           f"({cached_path()[1]}); skinny_linear up to rows {rows}")
     return 0
