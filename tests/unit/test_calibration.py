@@ -91,7 +91,10 @@ def test_a_measurement_under_load_is_not_stored_and_the_process_runs_a_default(
         store, busy, monkeypatch, check, caplog):
     if check == "wait":  # past the load probe: the run delay inside the measurement
         monkeypatch.setattr(calibrate, "MAX_OTHERS", 1e9)
-        monkeypatch.setattr(calibrate, "CALIBRATION_SHAPE", (1024, 256))  # quick under load
+        # Long enough to be preempted: with (1024, 256) a measurement that ended at 2 rows
+        # (the kernels forced onto AVX2 while MKL keeps AVX-512, CI's AVX2 pass) took a few
+        # ms, got through unpreempted and was rightly stored (2 of 10 runs).
+        monkeypatch.setattr(calibrate, "CALIBRATION_SHAPE", (2048, 1024))
     caplog.set_level("INFO", logger="engine.kernels.calibrate")
     out = linear_mod.recalibrate()
     assert out and all(v is None for v in out.values()), out
@@ -113,11 +116,19 @@ def store_isa() -> str:
 def test_a_stored_wrong_threshold_is_measured_again_and_replaced(store, gates_open, old):
     # 0: "the gemm always wins"; the kernel streams the weight once and beats it at 8 rows
     # by several times on every CPU it runs on, so a measurement says >= 8 (even a loaded one:
-    # interleaved minima).
+    # interleaved minima). Not where the kernels are forced onto a narrower path while MKL
+    # keeps this CPU's widest vectors (CI's AVX2 pass on an AVX-512 CPU): there F.linear's
+    # AVX-512 gemm beat the AVX2 kernel from 2 rows on the Intel Xeon, whose L3 holds the
+    # weight (measured 1 in about half the runs; >= 8 with MKL_ENABLE_INSTRUCTIONS=AVX2), so
+    # only the replacement below is checked.
+    from pdserve.bench.roofline import _standin_hint
+
     entry = 0 if old == "legacy int" else {"v": 0, "at": time.time() - calibrate.RECHECK_S - 5}
     store.write_text(json.dumps({_rows_key(): entry}))
     rows = _settle(linear_mod._thresholds, lambda: linear_mod.skinny_rows(torch.float32))
-    assert rows >= 8
+    env = {k: os.environ.get(k) for k in ("PDSERVE_ISA", "ONEDNN_MAX_CPU_ISA",
+                                          "MKL_ENABLE_INSTRUCTIONS")}
+    assert rows >= 8 if not _standin_hint({"isa_env": env}) else rows in (0, *calibrate.ROWS)
     stored = _stored(store)[_rows_key()]
     assert stored["v"] == rows and time.time() - stored["at"] < 120
 
