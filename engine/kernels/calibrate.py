@@ -12,8 +12,7 @@
   tied the kernel at 1 and 2 rows, 0.99 and 1.01-1.03, then its gemm took 1.9-2.2x the
   kernel's time at 4-8 rows: a threshold of 1 put batch-8 decodes on that gemm);
 - the float32 gemm: oneDNN's matmul against F.linear (MKL) on GEMM_ROWS rows, per thread
-  count; and the compiled sgemm (sgemm.cpp) against that choice, per thread count and path
-  (a win within TIE is a tie, which keeps the BLAS choice);
+  count; and the compiled sgemm (sgemm.cpp) against that choice, per thread count and path;
 - the bf16 gemm: from how many rows (WIDEN_ROWS, largest first: the smallest count from which
   it wins at every larger one; 0 where it loses at the largest) the float32 gemm on widened
   operands beats F.linear's bf16 (oneDNN), per thread count and path;
@@ -293,10 +292,8 @@ def measure(kernel, dtype: torch.dtype, gemm: Gemm, stop_on_noise: bool = True) 
 
 
 def measure_gemm(first: Gemm, second: Gemm, stop_on_noise: bool = True) -> Measured:
-    """1 where `first` beats `second` (the default) by more than TIE on [GEMM_ROWS, in] x
-    CALIBRATION_SHAPE^T, else 0: a near-tie on this one shape keeps the default (on the Intel
-    Xeon guest two builds' calibrations picked oneDNN and MKL in turn, while on the bench
-    model's shapes MKL ran 4-6 % faster at 1 and 2 threads)."""
+    """1 where `first` is not slower than `second` on [GEMM_ROWS, in] x CALIBRATION_SHAPE^T,
+    else 0."""
     if (noise := Watch.probe(torch.get_num_threads())) and stop_on_noise:
         return Measured(None, noise)
     gen = torch.Generator().manual_seed(0)
@@ -309,7 +306,7 @@ def measure_gemm(first: Gemm, second: Gemm, stop_on_noise: bool = True) -> Measu
     noise = noise or noise2 or watch.noise()
     if noise and stop_on_noise:
         return Measured(None, noise)
-    return Measured(int(a * (1 + TIE) < b), noise)
+    return Measured(int(a <= b), noise)
 
 
 def measure_from(first: Gemm, second: Gemm, dtype: torch.dtype,

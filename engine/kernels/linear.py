@@ -6,19 +6,19 @@ float32 or bfloat16 CPU inputs of at most `skinny_rows(dtype)` rows the compiled
 `skinny_linear` kernel (engine/kernels/skinny_linear.cpp) streams the weight once
 instead (bf16 with vdpbf16ps where the CPU has AVX512-BF16). The row threshold is measured
 on this machine for its dtype, thread count and kernel path (engine/kernels/
-calibrate.py); beyond it the blocked gemm wins. For float32 that gemm (`large_linear`) is the
-compiled AVX2+FMA `sgemm` (engine/kernels/sgemm.cpp: 6x16 register tile, packed weight panels;
-a row's result independent of its batch) where this machine measured it faster than the BLAS
-choice below (per thread count and kernel path), else oneDNN's matmul (torch's own mkldnn
-build, on the plain weight: no packed copy, full float32) where it is faster than the MKL sgemm
-behind F.linear (each by more than calibrate.TIE, 5 %), which is measured once per machine and
-thread count like the thresholds: on an AVX-512 AMD EPYC it is 1.3x MKL on the model's prefill
-shapes (docs/performance.md). bf16 F.linear goes to oneDNN, except from `widen_rows` rows on
-where this machine measured the float32 gemm on widened operands faster (`widened_linear`: a
-core whose vdpbf16ps runs at half its float32 FMAs' rate, as an Intel Golden Cove Xeon without
-AMX does). PDSERVE_LINEAR=torch keeps F.linear everywhere. The same measured store holds one
-attention choice: `bf16_attention_pairs()`, whether bf16 prefill attention runs on vdpbf16ps
-pairs or on float32 FMA tiles on such a core.
+calibrate.py); beyond it the blocked gemm wins. For float32 that gemm (`large_linear`) is
+the compiled AVX2+FMA `sgemm` (engine/kernels/sgemm.cpp: 6x16 register tile, packed weight
+panels; a row's result independent of its batch) where this machine measured it faster than
+the BLAS choice below (per thread count and kernel path), else oneDNN's matmul (torch's own
+mkldnn build, on the plain weight: no packed copy, full float32) where it is not slower than
+the MKL sgemm behind F.linear, which is measured once per machine and thread count like the
+thresholds: on an AVX-512 AMD EPYC it is 1.3x MKL on the model's prefill shapes
+(docs/performance.md). bf16 F.linear goes to oneDNN, except from `widen_rows` rows on
+where this machine measured the float32 gemm on widened operands faster (`widened_linear`:
+a core whose vdpbf16ps runs at half its float32 FMAs' rate, as an Intel Golden Cove Xeon
+without AMX does). PDSERVE_LINEAR=torch keeps F.linear everywhere. The same measured store
+holds one attention choice: `bf16_attention_pairs()`, whether bf16 prefill attention runs
+on vdpbf16ps pairs or on float32 FMA tiles on such a core.
 `row_kernels(x)` hands the layers the compiled row kernels for float32 and bf16: `rope_`
 (rope.cpp: q and k rotated in place in a q|k|v matmul output, one pass), `add_rms_norm`
 (rms_norm.cpp) and the SwiGLU activation `silu_mul` (silu_mul.cpp).
@@ -71,9 +71,8 @@ def _skinny_now(dtype: torch.dtype) -> tuple[int, ModuleType | None]:
 def large_linear(x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """The gemm for a CPU x [M, in] of more rows than the skinny kernel takes: for float32
-    the compiled AVX2 `sgemm` (sgemm.cpp) where this machine measured it more than 5 % faster
-    than the BLAS choice, else oneDNN's matmul (x of any row stride) where measured more than
-    5 % faster than MKL, else
+    the compiled AVX2 `sgemm` (sgemm.cpp) where this machine measured it faster than the BLAS
+    choice, else oneDNN's matmul (x of any row stride) where measured faster than MKL, else
     (and with PDSERVE_LINEAR=torch) F.linear."""
     if x.dtype == torch.float32 and os.environ.get("PDSERVE_LINEAR") != "torch":
         threads = torch.get_num_threads()
