@@ -6,13 +6,15 @@ of bench-llama's heads), fp32 and bf16; best of 3 x 9 runs each, thread CPU time
 
 usage: python scripts/decode_kernels_ab.py OLD_HASH NEW_HASH THREADS paged,skinny,prefill [ISA]
 (two builds under ~/.cache/pdserve/kernels/pdserve_kernels_<hash>.so; ISA: the path both run,
-as PDSERVE_ISA names it). Prints GB/s (GFLOP/s for prefill) of each and NEW/OLD; skinny
+as PDSERVE_ISA names it). AB_WEIGHT_COPIES=N runs skinny over N copies of the weights (4: more
+than a 260 MiB L3 holds, so they come from DRAM as a loaded server's would). Prints GB/s (GFLOP/s for prefill) of each and NEW/OLD; skinny
 outputs must be equal, the attentions' close (max difference printed).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
@@ -49,7 +51,8 @@ def ab(label: str, nbytes: float, fa, fb, clock, extra: str = "", unit: str = "G
 
 
 def skinny(a, b, dt, clock) -> None:
-    ws = [torch.randn(o, i).to(dt) for _ in range(8) for o, i in SHAPES]
+    copies = int(os.environ.get("AB_WEIGHT_COPIES", "1"))
+    ws = [torch.randn(o, i).to(dt) for _ in range(8 * copies) for o, i in SHAPES]
     ws.append(torch.randn(8192, 512).to(dt))
     nbytes = sum(w.numel() * w.element_size() for w in ws)
     for m in (1, 2, 3, 4, 8, 32):

@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -112,9 +113,16 @@ constexpr int64_t kPrefetchBytes<Avx512Bf16> = 4096;
 
 // A tile's share of its successor's weight rows: the NB rows of a tile are contiguous, so a
 // tile that reads `bytes` of each of its rows a step asks for the next tile's `bytes` * NB at
-// the same offset (only a hint: no fault past the end).
+// the same offset (only a hint: no fault past the end). float32 asks for them into L2, not L1:
+// L1 then keeps the tile's rows of x (16 KiB at 8 rows of K = 512) and its own weight lines.
+// On an Intel Xeon (Emerald Rapids; the bench model's matmuls, weights from DRAM:
+// AB_WEIGHT_COPIES=4 scripts/decode_kernels_ab.py) that read 1.04-1.10x the weight a second at
+// 2-8 rows of x at 1 thread, 1.03-1.06x at 3-8 rows at 2; prefetching 2 or 4 tiles ahead
+// instead of 1 gained nothing more. bf16 (vdpbf16ps, half the FMA rate there) read 0.95-1.02x into L2: it stays.
+template <typename T>
 inline void prefetch_share(const char* next, int64_t offset, int64_t bytes) {
-  for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(next + offset + l);
+  constexpr int kLocality = std::is_same_v<T, float> ? 2 : 3;  // 2: into L2 (prefetcht1)
+  for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(next + offset + l, 0, kLocality);
 }
 
 // Where tile t of a thread's run [t0, t1) has a full next tile of NB rows in that run, its
@@ -141,7 +149,7 @@ inline void tile(const T* x, const T* w, T* y, int64_t K, int64_t N,
     typename P::template In<T> wv[NB];
     if constexpr (NB == 1 && kPrefetchBytes<P> > 0)  // no fault past the end: only a hint
       __builtin_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetchBytes<P>);
-    if (next != nullptr) prefetch_share(next, k * NB * sizeof(T), NB * P::kStep * sizeof(T));
+    if (next != nullptr) prefetch_share<T>(next, k * NB * sizeof(T), NB * P::kStep * sizeof(T));
     for (int j = 0; j < NB; ++j) {
       wv[j] = P::load(w + j * K + k);
       if constexpr (HoldW) asm("" : "+v"(wv[j]));
@@ -298,7 +306,7 @@ inline void pair_tile(const float* xs, int64_t Kp, const bf16* w, int64_t K, bf1
   for (; k + 2 * S <= K; k += 2 * S) {
     if constexpr (NB == 1 && kPrefetchBytes<P> > 0)  // no fault past the end: only a hint
       __builtin_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetchBytes<P>);
-    if (next != nullptr) prefetch_share(next, k * NB * sizeof(bf16), NB * 2 * S * sizeof(bf16));
+    if (next != nullptr) prefetch_share<bf16>(next, k * NB * sizeof(bf16), NB * 2 * S * sizeof(bf16));
     for (int j = 0; j < NB; ++j) wk[j] = w + j * K + k;
     step(wk, k);
   }
