@@ -11,8 +11,15 @@
   neither counts nor ends the count (on an Intel Xeon whose L3 holds the weight, MKL's gemv
   tied the kernel at 1 and 2 rows, 0.99 and 1.01-1.03, then its gemm took 1.9-2.2x the
   kernel's time at 4-8 rows: a threshold of 1 put batch-8 decodes on that gemm);
-- the float32 gemm: oneDNN's matmul against F.linear (MKL) on GEMM_ROWS rows, per thread
-  count; and the compiled sgemm (sgemm.cpp) against that choice, per thread count and path;
+- the float32 gemm: from how many rows (MKL_ROWS, largest first: the smallest count from
+  which it wins at every larger one; 0 where it loses at the largest) F.linear (MKL) beats
+  oneDNN's matmul, which takes the rows below it. The winner depends on
+  the rows more than on the shape: on an Intel Xeon (Emerald Rapids) oneDNN ran 1.0-1.15x
+  MKL at 256 rows and MKL 1.04-1.11x oneDNN at 1024, on this shape and on two models' own
+  (one choice measured at 256 rows had put 1024-token prefills on the slower gemm), per
+  thread count and path; and the
+  compiled sgemm (sgemm.cpp) against the BLAS choice at GEMM_ROWS rows, per thread count and
+  path;
 - the bf16 gemm: from how many rows (WIDEN_ROWS, largest first: the smallest count from which
   it wins at every larger one; 0 where it loses at the largest) the float32 gemm on widened
   operands beats F.linear's bf16 (oneDNN), per thread count and path;
@@ -71,6 +78,7 @@ logger = logging.getLogger(__name__)
 CALIBRATION_SHAPE = (4096, 1024)  # [out, in]: 16 MiB in float32, 8 MiB in bf16
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 GEMM_ROWS = 256  # a prefill chunk's rows, well past every skinny threshold
+MKL_ROWS = (1024, 512, 256, 128)  # F.linear (MKL) rather than oneDNN from one of these rows on
 WIDEN_ROWS = (512, 256, 128, 64)  # bf16 gemms widened to float32 from one of these rows on
 ATTENTION_SHAPE = (512, 8, 4, 64)  # bf16 prefill attention: tokens, heads, kv heads, head_dim
 ROUNDS = 7
@@ -310,18 +318,19 @@ def measure_gemm(first: Gemm, second: Gemm, stop_on_noise: bool = True) -> Measu
 
 
 def measure_from(first: Gemm, second: Gemm, dtype: torch.dtype,
-                 stop_on_noise: bool = True) -> Measured:
-    """The smallest row count of WIDEN_ROWS from which `first` is not slower than `second`
-    at every larger one, on CALIBRATION_SHAPE weights of `dtype`; 0 where it loses at the
-    largest."""
+                 stop_on_noise: bool = True, rows: Sequence[int] | None = None) -> Measured:
+    """The smallest row count of `rows` (largest first; default WIDEN_ROWS) from which `first`
+    is not slower than `second` at every larger one, on CALIBRATION_SHAPE weights of `dtype`;
+    0 where it loses at the largest."""
     if (noise := Watch.probe(torch.get_num_threads())) and stop_on_noise:
         return Measured(None, noise)
+    rows = WIDEN_ROWS if rows is None else rows
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(*CALIBRATION_SHAPE, generator=gen).to(dtype)
-    xs = [torch.randn(m, w.shape[1], generator=gen).to(dtype) for m in WIDEN_ROWS]
+    xs = [torch.randn(m, w.shape[1], generator=gen).to(dtype) for m in rows]
     first(xs[0], w), second(xs[0], w)  # settles their own choices before the watch starts
     watch, best = Watch(torch.get_num_threads()), 0
-    for m, x in zip(WIDEN_ROWS, xs, strict=True):
+    for m, x in zip(rows, xs, strict=True):
         (a, b), noise2 = race([lambda x=x: first(x, w), lambda x=x: second(x, w)],
                               watch if stop_on_noise else None)
         noise = noise or noise2 or watch.noise()
@@ -424,8 +433,10 @@ def threshold_key(dtype: torch.dtype, threads: int, isa: str) -> str:
     return f"{str(dtype).removeprefix('torch.')}:{threads}:{isa}:gemm2"
 
 
-def gemm_key(threads: int) -> str:
-    return f"float32:{threads}:onednn"
+def gemm_key(threads: int, isa: str) -> str:
+    # ":mkl_from": the rows from which MKL runs (keys "float32:<threads>:onednn" held one
+    # choice for every row count and path; a path limits oneDNN's and MKL's ISA with it)
+    return f"float32:{threads}:{isa}:mkl_from"
 
 
 def sgemm_key(threads: int, isa: str) -> str:

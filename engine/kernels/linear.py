@@ -10,10 +10,12 @@ calibrate.py); beyond it the blocked gemm wins. For float32 that gemm (`large_li
 the compiled AVX2+FMA `sgemm` (engine/kernels/sgemm.cpp: 6x16 register tile, packed weight
 panels; a row's result independent of its batch) where this machine measured it faster than
 the BLAS choice below (per thread count and kernel path), else oneDNN's matmul (torch's own
-mkldnn build, on the plain weight: no packed copy, full float32) where it is not slower than
-the MKL sgemm behind F.linear, which is measured once per machine and thread count like the
-thresholds: on an AVX-512 AMD EPYC it is 1.3x MKL on the model's prefill shapes
-(docs/performance.md). bf16 F.linear goes to oneDNN, except from `widen_rows` rows on
+mkldnn build, on the plain weight: no packed copy, full float32) or the MKL sgemm behind
+F.linear by the row count: MKL from the rows where this machine measured it not slower at
+every larger count (`mkl_from_rows`, per thread count and kernel path, like the thresholds),
+oneDNN below.
+On an AVX-512 AMD EPYC oneDNN is 1.3x MKL on the model's prefill shapes; on an Intel Xeon
+(Emerald Rapids) oneDNN wins at 256 rows and MKL at 1024 (docs/performance.md). bf16 F.linear goes to oneDNN, except from `widen_rows` rows on
 where this machine measured the float32 gemm on widened operands faster (`widened_linear`:
 a core whose vdpbf16ps runs at half its float32 FMAs' rate, as an Intel Golden Cove Xeon
 without AMX does). PDSERVE_LINEAR=torch keeps F.linear everywhere. The same measured store
@@ -80,7 +82,7 @@ def large_linear(x: torch.Tensor, weight: torch.Tensor,
         if kernel is not None and kernel_sgemm(threads):
             y = kernel.sgemm(x, weight)
             return y if bias is None else y.add_(bias)
-        if ONEDNN and weight.is_contiguous() and onednn_sgemm(threads):
+        if ONEDNN and weight.is_contiguous() and onednn_sgemm(x.shape[0], threads):
             return onednn_linear(x, weight, bias)
     elif x.dtype == torch.bfloat16 and os.environ.get("PDSERVE_LINEAR") != "torch":
         rows = widen_rows(torch.get_num_threads())
@@ -150,7 +152,7 @@ def bf16_attention_pairs() -> bool:
 def blas_linear(x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 gemm `large_linear` runs without the compiled sgemm (oneDNN or MKL)."""
-    if ONEDNN and weight.is_contiguous() and onednn_sgemm(torch.get_num_threads()):
+    if ONEDNN and weight.is_contiguous() and onednn_sgemm(x.shape[0], torch.get_num_threads()):
         return onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -161,15 +163,25 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor,
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
 
 
-_onednn = calibrate.Choices(
-    "float32 gemm oneDNN (1) or F.linear (0)", calibrate.gemm_key,
-    lambda threads: calibrate.measure_gemm(onednn_linear, F.linear), lambda threads: 0)
+_mkl_from = calibrate.Choices(
+    "float32 gemm F.linear (MKL) from rows (0: never; oneDNN below)", calibrate.gemm_key,
+    lambda threads, isa: calibrate.measure_from(F.linear, onednn_linear, torch.float32,
+                                                rows=calibrate.MKL_ROWS),
+    lambda threads, isa: 1)
 
 
-def onednn_sgemm(threads: int) -> bool:
-    """Whether float32 gemms beyond the skinny rows go to oneDNN at this thread count (else
-    F.linear): measured once per machine where quiet, then read from the store."""
-    return bool(_onednn(threads))
+def mkl_from_rows(threads: int) -> int:
+    """From how many rows float32 gemms beyond the skinny rows go to F.linear (MKL) at this
+    thread count and kernel path, oneDNN below (0: never MKL): measured once per machine
+    where quiet, then read from the store; F.linear for all meanwhile."""
+    return _mkl_from(threads, _isa())
+
+
+def onednn_sgemm(rows: int, threads: int) -> bool:
+    """Whether a float32 gemm of `rows` rows beyond the skinny rows goes to oneDNN at this
+    thread count (else F.linear)."""
+    mkl = mkl_from_rows(threads)
+    return mkl == 0 or rows < mkl
 
 
 def sgemm_kernel() -> ModuleType | None:
@@ -213,14 +225,14 @@ def recalibrate() -> dict[str, int | None]:
     kernel = linear_kernel()
     if kernel is None:
         return {}
-    for choices in (_onednn, _sgemm, _thresholds, _widen, _attn_pairs):
+    for choices in (_mkl_from, _sgemm, _thresholds, _widen, _attn_pairs):
         choices.cache_clear()
     _skinny.clear()
     threads, isa = torch.get_num_threads(), kernel.get_isa()
     runs: dict[str, tuple[str, Callable[[], calibrate.Measured]]] = {}
     if ONEDNN:
-        runs["float32_onednn"] = (calibrate.gemm_key(threads), lambda: calibrate.measure_gemm(
-            onednn_linear, F.linear))
+        runs["float32_mkl_from"] = (calibrate.gemm_key(threads, isa), lambda: calibrate.measure_from(
+            F.linear, onednn_linear, torch.float32, rows=calibrate.MKL_ROWS))
     if sgemm_kernel() is not None:
         runs["float32_sgemm"] = (calibrate.sgemm_key(threads, isa),
                                  lambda: calibrate.measure_gemm(kernel.sgemm, blas_linear))

@@ -17,7 +17,7 @@ import torch
 from engine.kernels import calibrate
 from engine.kernels import linear as linear_mod
 
-CHOICES = (linear_mod._onednn, linear_mod._sgemm, linear_mod._thresholds, linear_mod._attn_pairs)
+CHOICES = (linear_mod._mkl_from, linear_mod._sgemm, linear_mod._thresholds, linear_mod._attn_pairs)
 
 
 @pytest.fixture
@@ -100,7 +100,7 @@ def test_a_measurement_under_load_is_not_stored_and_the_process_runs_a_default(
     assert out and all(v is None for v in out.values()), out
     assert _stored(store) == {}
     assert linear_mod.skinny_rows(torch.float32) == calibrate.DEFAULT_ROWS
-    assert not linear_mod.onednn_sgemm(1)  # the BLAS gemm F.linear meanwhile
+    assert not linear_mod.onednn_sgemm(256, 1)  # the BLAS gemm F.linear meanwhile
     assert _stored(store) == {}
     value, retry_at, _ = linear_mod._thresholds.pending[(torch.float32, 1, store_isa())]
     assert value == calibrate.DEFAULT_ROWS and retry_at > time.monotonic()
@@ -150,7 +150,7 @@ def test_quiet_measurements_are_stored_per_dtype_threads_and_path(store, gates_o
         linear_mod._thresholds.final.clear()  # the second dtype settles on its own
     keys = {calibrate.threshold_key(dt, 1, store_isa()) for dt in (torch.float32, torch.bfloat16)}
     if linear_mod.ONEDNN:  # the float32 gemm beyond them, measured on the way
-        keys.add(calibrate.gemm_key(1))
+        keys.add(calibrate.gemm_key(1, store_isa()))
     if linear_mod.sgemm_kernel() is not None:
         keys.add(calibrate.sgemm_key(1, store_isa()))
     table = _stored(store)

@@ -184,12 +184,34 @@ def test_large_linear_follows_the_measured_choice(monkeypatch, onednn_wins):
         return F.linear(x, w, b)
 
     monkeypatch.setattr(linear_mod, "onednn_linear", spy)
-    monkeypatch.setattr(linear_mod, "onednn_sgemm", lambda threads: onednn_wins)
+    monkeypatch.setattr(linear_mod, "onednn_sgemm", lambda rows, threads: onednn_wins)
     monkeypatch.setattr(linear_mod, "kernel_sgemm", lambda threads: False)  # test_sgemm.py's
     gen = torch.Generator().manual_seed(5)
     x, w = torch.randn(300, 64, generator=gen), torch.randn(32, 64, generator=gen)
     torch.testing.assert_close(linear_mod.large_linear(x, w), F.linear(x, w))
     assert calls == ([300] if onednn_wins and linear_mod.ONEDNN else [])
+
+
+@pytest.mark.parametrize("mkl_from", [0, 512])
+def test_large_linear_takes_mkl_from_the_measured_rows(monkeypatch, mkl_from):
+    """oneDNN below the measured row count, F.linear (MKL) from it; 0: oneDNN at every count."""
+    calls = []
+
+    def spy(x, w, b=None):
+        calls.append(x.shape[0])
+        return F.linear(x, w, b)
+
+    if not linear_mod.ONEDNN:
+        pytest.skip("this torch build has no oneDNN (mkldnn)")
+    monkeypatch.setattr(linear_mod, "onednn_linear", spy)
+    monkeypatch.setattr(linear_mod, "_mkl_from", lambda threads, isa: mkl_from)
+    monkeypatch.setattr(linear_mod, "kernel_sgemm", lambda threads: False)
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(32, 64, generator=gen)
+    for rows in (300, 600):
+        x = torch.randn(rows, 64, generator=gen)
+        torch.testing.assert_close(linear_mod.large_linear(x, w), F.linear(x, w))
+    assert calls == ([300, 600] if mkl_from == 0 else [300])
 
 
 def test_onednn_linear_is_float32_linear():

@@ -77,3 +77,20 @@ def test_measure_from_finds_the_smallest_winning_rows(monkeypatch, from_rows):
 
     got = calibrate.measure_from(first, second, torch.bfloat16, stop_on_noise=False)
     assert got.value == from_rows
+
+
+def test_measure_from_takes_the_rows_it_is_given(monkeypatch):
+    """The float32 gemm's switch to MKL is measured on MKL_ROWS, not the widening's rows."""
+    monkeypatch.setattr(calibrate, "CALIBRATION_SHAPE", (64, 32))
+    seen = []
+
+    def first(x, w):  # wins from 256 rows on
+        seen.append(x.shape[0])
+        time.sleep(0 if x.shape[0] >= 256 else 0.004)
+
+    def second(x, w):
+        time.sleep(0.002)
+
+    got = calibrate.measure_from(first, second, torch.float32, stop_on_noise=False,
+                                 rows=calibrate.MKL_ROWS)
+    assert got.value == 256 and set(seen) == set(calibrate.MKL_ROWS)
