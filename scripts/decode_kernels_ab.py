@@ -7,7 +7,8 @@ of bench-llama's heads), fp32 and bf16; best of 3 x 9 runs each, thread CPU time
 usage: python scripts/decode_kernels_ab.py OLD_HASH NEW_HASH THREADS paged,skinny,prefill [ISA]
 (two builds under ~/.cache/pdserve/kernels/pdserve_kernels_<hash>.so; ISA: the path both run,
 as PDSERVE_ISA names it). AB_WEIGHT_COPIES=N runs skinny over N copies of the weights (4: more
-than a 260 MiB L3 holds, so they come from DRAM as a loaded server's would). Prints GB/s (GFLOP/s for prefill) of each and NEW/OLD; skinny
+than a 260 MiB L3 holds, so they come from DRAM as a loaded server's would).
+Prints GB/s (GFLOP/s for prefill) of each and NEW/OLD; skinny
 outputs must be equal, the attentions' close (max difference printed).
 """
 

@@ -15,7 +15,8 @@ F.linear by the row count: MKL from the rows where this machine measured it not 
 every larger count (`mkl_from_rows`, per thread count and kernel path, like the thresholds),
 oneDNN below.
 On an AVX-512 AMD EPYC oneDNN is 1.3x MKL on the model's prefill shapes; on an Intel Xeon
-(Emerald Rapids) oneDNN wins at 256 rows and MKL at 1024 (docs/performance.md). bf16 F.linear goes to oneDNN, except from `widen_rows` rows on
+(Emerald Rapids) oneDNN wins at 256 rows and MKL at 1024 (docs/performance.md).
+bf16 F.linear goes to oneDNN, except from `widen_rows` rows on
 where this machine measured the float32 gemm on widened operands faster (`widened_linear`:
 a core whose vdpbf16ps runs at half its float32 FMAs' rate, as an Intel Golden Cove Xeon
 without AMX does). PDSERVE_LINEAR=torch keeps F.linear everywhere. The same measured store
@@ -231,8 +232,10 @@ def recalibrate() -> dict[str, int | None]:
     threads, isa = torch.get_num_threads(), kernel.get_isa()
     runs: dict[str, tuple[str, Callable[[], calibrate.Measured]]] = {}
     if ONEDNN:
-        runs["float32_mkl_from"] = (calibrate.gemm_key(threads, isa), lambda: calibrate.measure_from(
-            F.linear, onednn_linear, torch.float32, rows=calibrate.MKL_ROWS))
+        runs["float32_mkl_from"] = (calibrate.gemm_key(threads, isa),
+                                    lambda: calibrate.measure_from(
+                                        F.linear, onednn_linear, torch.float32,
+                                        rows=calibrate.MKL_ROWS))
     if sgemm_kernel() is not None:
         runs["float32_sgemm"] = (calibrate.sgemm_key(threads, isa),
                                  lambda: calibrate.measure_gemm(kernel.sgemm, blas_linear))
