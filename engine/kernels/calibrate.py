@@ -16,8 +16,13 @@
   oneDNN's matmul, which takes the rows below it. The winner depends on
   the rows more than on the shape: on an Intel Xeon (Emerald Rapids) oneDNN ran 1.0-1.15x
   MKL at 256 rows and MKL 1.04-1.11x oneDNN at 1024, on this shape and on two models' own
-  (one choice measured at 256 rows had put 1024-token prefills on the slower gemm), per
-  thread count and path; and the
+  (one choice measured at 256 rows had put 1024-token prefills on the slower gemm); smaller
+  weights favour MKL from fewer rows (a TP=2 rank's half of the bench model's layer at 1
+  thread: MKL 1.07x at 64 rows, 1.25x at 128, where the calibration shape still had oneDNN
+  ahead). So it is measured on the loaded model's own layer shapes (`set_gemm_shapes`; a TP
+  rank's shard), per thread count and path, MKL's losses within TIE counted as ties (on the
+  bench model's full shapes the two are within 3 % at most counts, and a noisy loss at 256
+  rows had ended the count there); and the
   compiled sgemm (sgemm.cpp) against the BLAS choice at GEMM_ROWS rows, per thread count and
   path;
 - the bf16 gemm: from how many rows (WIDEN_ROWS, largest first: the smallest count from which
@@ -78,7 +83,8 @@ logger = logging.getLogger(__name__)
 CALIBRATION_SHAPE = (4096, 1024)  # [out, in]: 16 MiB in float32, 8 MiB in bf16
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 GEMM_ROWS = 256  # a prefill chunk's rows, well past every skinny threshold
-MKL_ROWS = (1024, 512, 256, 128)  # F.linear (MKL) rather than oneDNN from one of these rows on
+MKL_ROWS = (1024, 512, 256, 128, 64)  # F.linear (MKL) rather than oneDNN from one of these on
+SHAPES_ELEMENTS = 1 << 22  # a model's layer shapes at most this many weights together (16 MiB)
 WIDEN_ROWS = (512, 256, 128, 64)  # bf16 gemms widened to float32 from one of these rows on
 ATTENTION_SHAPE = (512, 8, 4, 64)  # bf16 prefill attention: tokens, heads, kv heads, head_dim
 ROUNDS = 7
@@ -317,26 +323,43 @@ def measure_gemm(first: Gemm, second: Gemm, stop_on_noise: bool = True) -> Measu
     return Measured(int(a <= b), noise)
 
 
+def scaled_shapes(shapes: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[out, in] weight shapes with every out cut by one factor (to at least 64) so that
+    together they hold about SHAPES_ELEMENTS weights at most: a large model's layer is timed
+    on the same inner sizes at a measurement's cost."""
+    total = sum(o * i for o, i in shapes)
+    f = min(1.0, SHAPES_ELEMENTS / max(total, 1))
+    return [(max(min(o, 64), int(o * f)), i) for o, i in shapes]
+
+
 def measure_from(first: Gemm, second: Gemm, dtype: torch.dtype,
-                 stop_on_noise: bool = True, rows: Sequence[int] | None = None) -> Measured:
+                 stop_on_noise: bool = True, rows: Sequence[int] | None = None,
+                 shapes: Sequence[tuple[int, int]] = (), tie: float = 0.0) -> Measured:
     """The smallest row count of `rows` (largest first; default WIDEN_ROWS) from which `first`
-    is not slower than `second` at every larger one, on CALIBRATION_SHAPE weights of `dtype`;
+    is not slower than `second` (by more than `tie`) at every larger one, on weights of
+    `dtype` of `shapes` (each gemm times all of them; `scaled_shapes`) or CALIBRATION_SHAPE;
     0 where it loses at the largest."""
     if (noise := Watch.probe(torch.get_num_threads())) and stop_on_noise:
         return Measured(None, noise)
     rows = WIDEN_ROWS if rows is None else rows
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(*CALIBRATION_SHAPE, generator=gen).to(dtype)
-    xs = [torch.randn(m, w.shape[1], generator=gen).to(dtype) for m in rows]
-    first(xs[0], w), second(xs[0], w)  # settles their own choices before the watch starts
+    ws = [torch.randn(*s, generator=gen).to(dtype)
+          for s in (scaled_shapes(shapes) if shapes else [CALIBRATION_SHAPE])]
+    ins = sorted({w.shape[1] for w in ws})
+    xs = [{i: torch.randn(m, i, generator=gen).to(dtype) for i in ins} for m in rows]
+
+    def on_all(gemm: Gemm, x: dict[int, torch.Tensor]) -> Callable[[], Any]:
+        return lambda: [gemm(x[w.shape[1]], w) for w in ws]
+
+    on_all(first, xs[0])(), on_all(second, xs[0])()  # settles their own choices first
     watch, best = Watch(torch.get_num_threads()), 0
     for m, x in zip(rows, xs, strict=True):
-        (a, b), noise2 = race([lambda x=x: first(x, w), lambda x=x: second(x, w)],
+        (a, b), noise2 = race([on_all(first, x), on_all(second, x)],
                               watch if stop_on_noise else None)
         noise = noise or noise2 or watch.noise()
         if noise and stop_on_noise:
             return Measured(None, noise)
-        if a > b:
+        if a > b * (1 + tie):
             break
         best = m
     return Measured(best, noise)
@@ -433,10 +456,12 @@ def threshold_key(dtype: torch.dtype, threads: int, isa: str) -> str:
     return f"{str(dtype).removeprefix('torch.')}:{threads}:{isa}:gemm2"
 
 
-def gemm_key(threads: int, isa: str) -> str:
+def gemm_key(threads: int, isa: str, shapes: Sequence[tuple[int, int]] = ()) -> str:
     # ":mkl_from": the rows from which MKL runs (keys "float32:<threads>:onednn" held one
-    # choice for every row count and path; a path limits oneDNN's and MKL's ISA with it)
-    return f"float32:{threads}:{isa}:mkl_from"
+    # choice for every row count and path; a path limits oneDNN's and MKL's ISA with it);
+    # then the model's layer shapes it was measured on, if any ("1024x512,...")
+    tail = ":" + ",".join(f"{o}x{i}" for o, i in shapes) if shapes else ""
+    return f"float32:{threads}:{isa}:mkl_from{tail}"
 
 
 def sgemm_key(threads: int, isa: str) -> str:

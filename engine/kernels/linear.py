@@ -12,8 +12,8 @@ panels; a row's result independent of its batch) where this machine measured it 
 the BLAS choice below (per thread count and kernel path), else oneDNN's matmul (torch's own
 mkldnn build, on the plain weight: no packed copy, full float32) or the MKL sgemm behind
 F.linear by the row count: MKL from the rows where this machine measured it not slower at
-every larger count (`mkl_from_rows`, per thread count and kernel path, like the thresholds),
-oneDNN below.
+every larger count on the loaded model's layer shapes (`mkl_from_rows`, per thread count and
+kernel path, like the thresholds), oneDNN below.
 On an AVX-512 AMD EPYC oneDNN is 1.3x MKL on the model's prefill shapes; on an Intel Xeon
 (Emerald Rapids) oneDNN wins at 256 rows and MKL at 1024 (docs/performance.md).
 bf16 F.linear goes to oneDNN, except from `widen_rows` rows on
@@ -166,16 +166,27 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor,
 
 _mkl_from = calibrate.Choices(
     "float32 gemm F.linear (MKL) from rows (0: never; oneDNN below)", calibrate.gemm_key,
-    lambda threads, isa: calibrate.measure_from(F.linear, onednn_linear, torch.float32,
-                                                rows=calibrate.MKL_ROWS),
-    lambda threads, isa: 1)
+    lambda threads, isa, shapes: calibrate.measure_from(
+        F.linear, onednn_linear, torch.float32, rows=calibrate.MKL_ROWS, shapes=shapes,
+        tie=calibrate.TIE),
+    lambda threads, isa, shapes: 1)
+
+# The loaded model's layer weight shapes ([out, in]; a TP rank's shard), which the float32
+# gemm's choice is measured on; () before a model is loaded: the calibration shape.
+_gemm_shapes: tuple[tuple[int, int], ...] = ()
+
+
+def set_gemm_shapes(shapes: list[tuple[int, int]]) -> None:
+    """The model this process runs: its float32 gemm choice is measured on these shapes."""
+    global _gemm_shapes
+    _gemm_shapes = tuple(shapes)
 
 
 def mkl_from_rows(threads: int) -> int:
     """From how many rows float32 gemms beyond the skinny rows go to F.linear (MKL) at this
-    thread count and kernel path, oneDNN below (0: never MKL): measured once per machine
-    where quiet, then read from the store; F.linear for all meanwhile."""
-    return _mkl_from(threads, _isa())
+    thread count and kernel path, oneDNN below (0: never MKL), for the model's layer shapes:
+    measured once per machine where quiet, then read from the store; F.linear meanwhile."""
+    return _mkl_from(threads, _isa(), _gemm_shapes)
 
 
 def onednn_sgemm(rows: int, threads: int) -> bool:
@@ -232,10 +243,11 @@ def recalibrate() -> dict[str, int | None]:
     threads, isa = torch.get_num_threads(), kernel.get_isa()
     runs: dict[str, tuple[str, Callable[[], calibrate.Measured]]] = {}
     if ONEDNN:
-        runs["float32_mkl_from"] = (calibrate.gemm_key(threads, isa),
+        runs["float32_mkl_from"] = (calibrate.gemm_key(threads, isa, _gemm_shapes),
                                     lambda: calibrate.measure_from(
                                         F.linear, onednn_linear, torch.float32,
-                                        rows=calibrate.MKL_ROWS))
+                                        rows=calibrate.MKL_ROWS, shapes=_gemm_shapes,
+                                        tie=calibrate.TIE))
     if sgemm_kernel() is not None:
         runs["float32_sgemm"] = (calibrate.sgemm_key(threads, isa),
                                  lambda: calibrate.measure_gemm(kernel.sgemm, blas_linear))

@@ -82,6 +82,15 @@ class CausalLM(nn.Module):
             x, residual = layer(x, residual, cos, sin, attn, reduce)
         return add_rms_norm(x, residual, self.norm, self.arch.rms_norm_eps)[0]
 
+    def layer_gemm_shapes(self) -> list[tuple[int, int]]:
+        """[out, in] of a decoder layer's matmul weights (every layer's are the same; a TP
+        rank's shard)."""
+        if not self.layers:
+            return []
+        layer = self.layers[0]
+        return [(int(w.shape[0]), int(w.shape[1])) for w in (
+            layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] (rows of forward's output) -> float32 logits [N, vocab_size]."""
         return gather_logits(linear(hidden, self.lm_head).float(), self.layout, self.comm)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels.linear import set_gemm_shapes
 from engine.models.arch import ModelArch
 from engine.models.causal_lm import CausalLM
 from engine.models.families import family_of
@@ -46,4 +47,5 @@ def load_model(model_dir: str, dtype: str = "auto", device: str = "cpu", *,
     model = family_of(arch.architecture).build(arch, torch_dtype, torch.device(device),
                                                tp_rank=tp_rank, tp_size=tp_size, comm=comm)
     load_weights(model, model_dir)
+    set_gemm_shapes(model.layer_gemm_shapes())  # the float32 gemm's choice is measured on them
     return model.eval()

@@ -150,7 +150,7 @@ def test_quiet_measurements_are_stored_per_dtype_threads_and_path(store, gates_o
         linear_mod._thresholds.final.clear()  # the second dtype settles on its own
     keys = {calibrate.threshold_key(dt, 1, store_isa()) for dt in (torch.float32, torch.bfloat16)}
     if linear_mod.ONEDNN:  # the float32 gemm beyond them, measured on the way
-        keys.add(calibrate.gemm_key(1, store_isa()))
+        keys.add(calibrate.gemm_key(1, store_isa(), linear_mod._gemm_shapes))
     if linear_mod.sgemm_kernel() is not None:
         keys.add(calibrate.sgemm_key(1, store_isa()))
     table = _stored(store)

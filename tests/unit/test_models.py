@@ -179,6 +179,19 @@ def test_arch_fields_follow_config(tiny_models):
     assert ll.max_position_embeddings >= 2048 and ll.rope.rope_type == "default"
 
 
+def test_loading_a_model_sets_the_shapes_its_gemm_choice_is_measured_on(tiny_models):
+    from engine.kernels import linear as linear_mod
+
+    model = load_model(tiny_models["llama"])
+    a, layer = model.arch, model.layers[0]
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    want = [(q + 2 * kv, a.hidden_size), (a.hidden_size, q),
+            (2 * a.intermediate_size, a.hidden_size), (a.hidden_size, a.intermediate_size)]
+    assert model.layer_gemm_shapes() == want
+    assert linear_mod._gemm_shapes == tuple(want)
+    assert tuple(layer.down_weight.shape) == want[3]
+
+
 def test_eos_ids_come_from_generation_config_first(tiny_models, tmp_path):
     path = _copy_with_config(tiny_models["llama"], str(tmp_path / "m"), eos_token_id=7)
     assert load_arch(path).eos_token_ids == [1]

@@ -204,7 +204,7 @@ def test_large_linear_takes_mkl_from_the_measured_rows(monkeypatch, mkl_from):
     if not linear_mod.ONEDNN:
         pytest.skip("this torch build has no oneDNN (mkldnn)")
     monkeypatch.setattr(linear_mod, "onednn_linear", spy)
-    monkeypatch.setattr(linear_mod, "_mkl_from", lambda threads, isa: mkl_from)
+    monkeypatch.setattr(linear_mod, "_mkl_from", lambda threads, isa, shapes: mkl_from)
     monkeypatch.setattr(linear_mod, "kernel_sgemm", lambda threads: False)
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(32, 64, generator=gen)

@@ -93,4 +93,39 @@ def test_measure_from_takes_the_rows_it_is_given(monkeypatch):
 
     got = calibrate.measure_from(first, second, torch.float32, stop_on_noise=False,
                                  rows=calibrate.MKL_ROWS)
-    assert got.value == 256 and set(seen) == set(calibrate.MKL_ROWS)
+    # largest first, up to the first loss (128)
+    assert got.value == 256 and set(seen) == {m for m in calibrate.MKL_ROWS if m >= 128}
+
+
+def test_measure_from_times_every_shape_it_is_given(monkeypatch):
+    """On a model's layer shapes each candidate runs all of them (scaled to SHAPES_ELEMENTS
+    weights together at most, the inner sizes kept)."""
+    monkeypatch.setattr(calibrate, "SHAPES_ELEMENTS", 40960)
+    shapes = [(960, 32), (320, 32), (2560, 32), (320, 128)]  # 4x that
+    seen = []
+
+    def first(x, w):
+        seen.append((x.shape[1], tuple(w.shape)))
+
+    calibrate.measure_from(first, first, torch.float32, stop_on_noise=False, rows=(8,),
+                           shapes=shapes)
+    scaled = calibrate.scaled_shapes(shapes)
+    assert scaled == [(240, 32), (80, 32), (640, 32), (80, 128)]
+    assert set(seen) == {(i, (o, i)) for o, i in scaled}
+    assert calibrate.scaled_shapes([(64, 8)]) == [(64, 8)]  # small enough: unchanged
+
+
+@pytest.mark.parametrize("slower, want", [(1.2, 64), (3.0, 0)])
+def test_measure_from_counts_a_loss_within_tie_as_a_tie(monkeypatch, slower, want):
+    """A loss within `tie` neither ends the count nor stops it; a larger one ends it."""
+    monkeypatch.setattr(calibrate, "CALIBRATION_SHAPE", (64, 32))
+
+    def first(x, w):
+        time.sleep(0.004 * slower)
+
+    def second(x, w):
+        time.sleep(0.004)
+
+    got = calibrate.measure_from(first, second, torch.float32, stop_on_noise=False,
+                                 rows=calibrate.MKL_ROWS, tie=0.5)
+    assert got.value == want
