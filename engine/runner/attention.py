@@ -110,12 +110,12 @@ class AttentionMetadata:
 def _chunk_table(spans: list[SeqSpan], bs: int, chunks_per_block: int,
                  device: torch.device) -> torch.Tensor:
     """[B, max_blocks] layer-0 K chunks of each sequence's context blocks (0-padded)."""
-    max_blocks = max((s.ctx_len + bs - 1) // bs for s in spans)
-    table = torch.zeros(len(spans), max_blocks, dtype=torch.long)
-    for i, s in enumerate(spans):
-        n = (s.ctx_len + bs - 1) // bs
-        table[i, :n] = torch.tensor(s.block_ids[:n], dtype=torch.long)
-    return table.to(device) * chunks_per_block
+    ns = [(s.ctx_len + bs - 1) // bs for s in spans]
+    width = max(ns)
+    # one tensor from padded lists: a torch.tensor and a slice copy per sequence cost ~10 us
+    # each, ~0.3 ms of a batch-32 decode step
+    rows = [[*s.block_ids[:n], *([0] * (width - n))] for s, n in zip(spans, ns, strict=True)]
+    return torch.tensor(rows, dtype=torch.long).mul_(chunks_per_block).to(device)
 
 
 class DecodeTable:
