@@ -1,9 +1,12 @@
 """Measured dispatch choices of engine/kernels/linear.py, and their store.
 
 - the skinny_linear threshold: up to how many rows the kernel beats the gemm `linear` uses
-  beyond it (`large_linear`), per (dtype, threads, kernel path): one weight of
-  CALIBRATION_SHAPE (larger than a core's L2, as the model's weights are) times 1, 2, 4, ...
-  128 random rows; the largest row count up to which the kernel is not slower, counted from
+  beyond it (`large_linear`), per (dtype, threads, kernel path, the loaded model's layer
+  shapes): those weights (`set_gemm_shapes`; before a model is loaded one weight of
+  CALIBRATION_SHAPE, larger than a core's L2 as a model's weights are) times 1, 2, 4, ...
+  128 random rows (on the calibration shape the AVX-512 kernel beat the gemm to 128 rows at
+  1 thread where on the bench model's layers MKL is 1.1x faster from 64); the largest row
+  count up to which the kernel is not slower, counted from
   its first win (at 1 row the BLAS gemv can tie it), 0 if it never wins. The first loss after
   that ends it: the kernel's lead only shrinks with rows, so a later "win" is a close race
   that noise decided (one such, at 128 rows, put 1-thread 128-token prefills of the bench
@@ -282,18 +285,34 @@ def race(fns: Sequence[Callable[[], Any]], watch: Watch | None = None,
 # --- the measurements --------------------------------------------------------------------
 
 
-def measure(kernel, dtype: torch.dtype, gemm: Gemm, stop_on_noise: bool = True) -> Measured:
+def _operands(dtype: torch.dtype, rows: Sequence[int], shapes: Sequence[tuple[int, int]]
+              ) -> tuple[list[torch.Tensor], list[dict[int, torch.Tensor]]]:
+    """Weights of `shapes` (`scaled_shapes`; () : CALIBRATION_SHAPE) and, per row count, an x
+    of those rows for each inner size."""
+    gen = torch.Generator().manual_seed(0)
+    ws = [torch.randn(*s, generator=gen).to(dtype)
+          for s in (scaled_shapes(shapes) if shapes else [CALIBRATION_SHAPE])]
+    ins = sorted({w.shape[1] for w in ws})
+    return ws, [{i: torch.randn(m, i, generator=gen).to(dtype) for i in ins} for m in rows]
+
+
+def _on_all(gemm: Gemm, ws: list[torch.Tensor], x: dict[int, torch.Tensor]
+            ) -> Callable[[], Any]:
+    return lambda: [gemm(x[w.shape[1]], w) for w in ws]
+
+
+def measure(kernel, dtype: torch.dtype, gemm: Gemm, stop_on_noise: bool = True,
+            shapes: Sequence[tuple[int, int]] = ()) -> Measured:
     """Largest row count in ROWS up to which kernel.skinny_linear is not slower than `gemm`,
-    from its first win on (module docstring)."""
+    from its first win on (module docstring), on weights of `shapes` (each call times all of
+    them) or CALIBRATION_SHAPE."""
     if (noise := Watch.probe(torch.get_num_threads())) and stop_on_noise:
         return Measured(None, noise)
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(*CALIBRATION_SHAPE, generator=gen).to(dtype)
-    xs = [torch.randn(m, w.shape[1], generator=gen).to(dtype) for m in ROWS]
-    gemm(xs[-1], w)  # settles the gemm's own choices before the watch starts
+    ws, xs = _operands(dtype, ROWS, shapes)
+    _on_all(gemm, ws, xs[-1])()  # settles the gemm's own choices before the watch starts
     watch, best = Watch(torch.get_num_threads()), 0
     for m, x in zip(ROWS, xs, strict=True):
-        (k, t), noise2 = race([lambda x=x: kernel.skinny_linear(x, w), lambda x=x: gemm(x, w)],
+        (k, t), noise2 = race([_on_all(kernel.skinny_linear, ws, x), _on_all(gemm, ws, x)],
                               watch if stop_on_noise else None)
         noise = noise or noise2 or watch.noise()
         if noise and stop_on_noise:
@@ -342,19 +361,11 @@ def measure_from(first: Gemm, second: Gemm, dtype: torch.dtype,
     if (noise := Watch.probe(torch.get_num_threads())) and stop_on_noise:
         return Measured(None, noise)
     rows = WIDEN_ROWS if rows is None else rows
-    gen = torch.Generator().manual_seed(0)
-    ws = [torch.randn(*s, generator=gen).to(dtype)
-          for s in (scaled_shapes(shapes) if shapes else [CALIBRATION_SHAPE])]
-    ins = sorted({w.shape[1] for w in ws})
-    xs = [{i: torch.randn(m, i, generator=gen).to(dtype) for i in ins} for m in rows]
-
-    def on_all(gemm: Gemm, x: dict[int, torch.Tensor]) -> Callable[[], Any]:
-        return lambda: [gemm(x[w.shape[1]], w) for w in ws]
-
-    on_all(first, xs[0])(), on_all(second, xs[0])()  # settles their own choices first
+    ws, xs = _operands(dtype, rows, shapes)
+    _on_all(first, ws, xs[0])(), _on_all(second, ws, xs[0])()  # settles their own choices
     watch, best = Watch(torch.get_num_threads()), 0
     for m, x in zip(rows, xs, strict=True):
-        (a, b), noise2 = race([on_all(first, x), on_all(second, x)],
+        (a, b), noise2 = race([_on_all(first, ws, x), _on_all(second, ws, x)],
                               watch if stop_on_noise else None)
         noise = noise or noise2 or watch.noise()
         if noise and stop_on_noise:
@@ -451,17 +462,21 @@ class Choices:
         return value
 
 
-def threshold_key(dtype: torch.dtype, threads: int, isa: str) -> str:
+def _shapes_tail(shapes: Sequence[tuple[int, int]]) -> str:
+    """The model's layer shapes a choice was measured on, if any: ":1024x512,512x512,..."."""
+    return ":" + ",".join(f"{o}x{i}" for o, i in shapes) if shapes else ""
+
+
+def threshold_key(dtype: torch.dtype, threads: int, isa: str,
+                  shapes: Sequence[tuple[int, int]] = ()) -> str:
     # ":gemm2": measured against large_linear (keys without it were against F.linear)
-    return f"{str(dtype).removeprefix('torch.')}:{threads}:{isa}:gemm2"
+    return f"{str(dtype).removeprefix('torch.')}:{threads}:{isa}:gemm2{_shapes_tail(shapes)}"
 
 
 def gemm_key(threads: int, isa: str, shapes: Sequence[tuple[int, int]] = ()) -> str:
     # ":mkl_from": the rows from which MKL runs (keys "float32:<threads>:onednn" held one
-    # choice for every row count and path; a path limits oneDNN's and MKL's ISA with it);
-    # then the model's layer shapes it was measured on, if any ("1024x512,...")
-    tail = ":" + ",".join(f"{o}x{i}" for o, i in shapes) if shapes else ""
-    return f"float32:{threads}:{isa}:mkl_from{tail}"
+    # choice for every row count and path; a path limits oneDNN's and MKL's ISA with it)
+    return f"float32:{threads}:{isa}:mkl_from{_shapes_tail(shapes)}"
 
 
 def sgemm_key(threads: int, isa: str) -> str:

@@ -66,7 +66,7 @@ def _skinny_now(dtype: torch.dtype) -> tuple[int, ModuleType | None]:
     kernel, threads = linear_kernel(), torch.get_num_threads()
     rows = skinny_rows(dtype)
     if (kernel is None or dtype not in (torch.float32, torch.bfloat16)
-            or (dtype, threads, kernel.get_isa()) in _thresholds.final):
+            or (dtype, threads, kernel.get_isa(), _gemm_shapes) in _thresholds.final):
         _skinny[(dtype, threads)] = (rows, kernel)  # final: it no longer changes
     return rows, kernel
 
@@ -171,15 +171,19 @@ _mkl_from = calibrate.Choices(
         tie=calibrate.TIE),
     lambda threads, isa, shapes: 1)
 
-# The loaded model's layer weight shapes ([out, in]; a TP rank's shard), which the float32
-# gemm's choice is measured on; () before a model is loaded: the calibration shape.
+# The loaded model's layer weight shapes ([out, in]; a TP rank's shard), which the skinny
+# threshold and the float32 gemm's choice are measured on; () before a model is loaded: the
+# calibration shape.
 _gemm_shapes: tuple[tuple[int, int], ...] = ()
 
 
 def set_gemm_shapes(shapes: list[tuple[int, int]]) -> None:
-    """The model this process runs: its float32 gemm choice is measured on these shapes."""
+    """The model this process runs: the skinny threshold and the float32 gemm's choice are
+    measured on these shapes (its layer weights')."""
     global _gemm_shapes
-    _gemm_shapes = tuple(shapes)
+    if tuple(shapes) != _gemm_shapes:
+        _gemm_shapes = tuple(shapes)
+        _skinny.clear()  # linear's cache of the threshold: another model's
 
 
 def mkl_from_rows(threads: int) -> int:
@@ -217,8 +221,9 @@ def kernel_sgemm(threads: int) -> bool:
 
 _thresholds = calibrate.Choices(
     "skinny_linear rows", calibrate.threshold_key,
-    lambda dtype, threads, isa: calibrate.measure(linear_kernel(), dtype, large_linear),
-    lambda dtype, threads, isa: calibrate.DEFAULT_ROWS)
+    lambda dtype, threads, isa, shapes: calibrate.measure(linear_kernel(), dtype, large_linear,
+                                                          shapes=shapes),
+    lambda dtype, threads, isa, shapes: calibrate.DEFAULT_ROWS)
 
 
 def skinny_rows(dtype: torch.dtype) -> int:
@@ -228,7 +233,7 @@ def skinny_rows(dtype: torch.dtype) -> int:
     kernel = linear_kernel()
     if kernel is None or dtype not in (torch.float32, torch.bfloat16):
         return 0
-    return _thresholds(dtype, torch.get_num_threads(), kernel.get_isa())
+    return _thresholds(dtype, torch.get_num_threads(), kernel.get_isa(), _gemm_shapes)
 
 
 def recalibrate() -> dict[str, int | None]:
@@ -253,8 +258,9 @@ def recalibrate() -> dict[str, int | None]:
                                  lambda: calibrate.measure_gemm(kernel.sgemm, blas_linear))
     for dtype in (torch.float32, torch.bfloat16):
         runs[str(dtype).removeprefix("torch.")] = (
-            calibrate.threshold_key(dtype, threads, isa),
-            lambda dtype=dtype: calibrate.measure(kernel, dtype, large_linear))
+            calibrate.threshold_key(dtype, threads, isa, _gemm_shapes),
+            lambda dtype=dtype: calibrate.measure(kernel, dtype, large_linear,
+                                                  shapes=_gemm_shapes))
     # after the float32 choices: the widened gemm is large_linear's
     runs["bfloat16_widen"] = (calibrate.widen_key(threads, isa), lambda: calibrate.measure_from(
         widened_linear, F.linear, torch.bfloat16))

@@ -24,6 +24,10 @@ CHOICES = (linear_mod._mkl_from, linear_mod._sgemm, linear_mod._thresholds, line
 def store(tmp_path, monkeypatch):
     path = tmp_path / "k.thresholds.json"
     monkeypatch.setattr(calibrate, "_store", lambda: path)
+    # no model's shapes from an earlier test: the measurements run on CALIBRATION_SHAPE, which
+    # the tests size
+    monkeypatch.setattr(linear_mod, "_gemm_shapes", ())
+    monkeypatch.setattr(linear_mod, "_skinny", {})
     if linear_mod.linear_kernel() is None:
         pytest.skip("no CPU kernels on this machine")
     threads = torch.get_num_threads()
@@ -73,7 +77,8 @@ def _stored(path) -> dict:
 
 
 def _rows_key() -> str:
-    return calibrate.threshold_key(torch.float32, 1, linear_mod.linear_kernel().get_isa())
+    return calibrate.threshold_key(torch.float32, 1, linear_mod.linear_kernel().get_isa(),
+                                   linear_mod._gemm_shapes)
 
 
 def _settle(choices, call, deadline_s: float = 90.0):
@@ -102,7 +107,8 @@ def test_a_measurement_under_load_is_not_stored_and_the_process_runs_a_default(
     assert linear_mod.skinny_rows(torch.float32) == calibrate.DEFAULT_ROWS
     assert not linear_mod.onednn_sgemm(256, 1)  # the BLAS gemm F.linear meanwhile
     assert _stored(store) == {}
-    value, retry_at, _ = linear_mod._thresholds.pending[(torch.float32, 1, store_isa())]
+    value, retry_at, _ = linear_mod._thresholds.pending[(torch.float32, 1, store_isa(),
+                                                         linear_mod._gemm_shapes)]
     assert value == calibrate.DEFAULT_ROWS and retry_at > time.monotonic()
     want = "other tasks runnable" if check == "load" else "waited for a CPU"
     assert want in caplog.text
@@ -148,7 +154,8 @@ def test_quiet_measurements_are_stored_per_dtype_threads_and_path(store, gates_o
         rows = _settle(linear_mod._thresholds, lambda dtype=dtype: linear_mod.skinny_rows(dtype))
         assert rows == 0 or rows in calibrate.ROWS
         linear_mod._thresholds.final.clear()  # the second dtype settles on its own
-    keys = {calibrate.threshold_key(dt, 1, store_isa()) for dt in (torch.float32, torch.bfloat16)}
+    keys = {calibrate.threshold_key(dt, 1, store_isa(), linear_mod._gemm_shapes)
+            for dt in (torch.float32, torch.bfloat16)}
     if linear_mod.ONEDNN:  # the float32 gemm beyond them, measured on the way
         keys.add(calibrate.gemm_key(1, store_isa(), linear_mod._gemm_shapes))
     if linear_mod.sgemm_kernel() is not None:

@@ -129,3 +129,23 @@ def test_measure_from_counts_a_loss_within_tie_as_a_tie(monkeypatch, slower, wan
     got = calibrate.measure_from(first, second, torch.float32, stop_on_noise=False,
                                  rows=calibrate.MKL_ROWS, tie=0.5)
     assert got.value == want
+
+
+def test_the_skinny_threshold_is_measured_on_the_shapes_given(monkeypatch):
+    """calibrate.measure times the kernel and the gemm on every one of the model's shapes."""
+    monkeypatch.setattr(calibrate, "ROWS", (1, 2))
+    shapes = [(96, 32), (32, 32), (256, 32), (32, 128)]
+    seen = set()
+
+    class Kernel:
+        @staticmethod
+        def skinny_linear(x, w):
+            seen.add(("kernel", x.shape[1], tuple(w.shape)))
+
+    def gemm(x, w):
+        seen.add(("gemm", x.shape[1], tuple(w.shape)))
+
+    calibrate.measure(Kernel(), torch.float32, gemm, stop_on_noise=False, shapes=shapes)
+    assert seen == {(who, i, (o, i)) for who in ("kernel", "gemm") for o, i in shapes}
+    assert calibrate.threshold_key(torch.float32, 2, "avx2", shapes) == \
+        "float32:2:avx2:gemm2:96x32,32x32,256x32,32x128"
