@@ -26,8 +26,8 @@
   rank's shard), per thread count and path, MKL's losses within TIE counted as ties (on the
   bench model's full shapes the two are within 3 % at most counts, and a noisy loss at 256
   rows had ended the count there); and the
-  compiled sgemm (sgemm.cpp) against the BLAS choice at GEMM_ROWS rows, per thread count and
-  path;
+  compiled sgemm (sgemm.cpp) against the BLAS choice at GEMM_ROWS rows, on the same shapes,
+  per thread count and path;
 - the bf16 gemm: from how many rows (WIDEN_ROWS, largest first: the smallest count from which
   it wins at every larger one; 0 where it loses at the largest) the float32 gemm on widened
   operands beats F.linear's bf16 (oneDNN), per thread count and path;
@@ -324,18 +324,17 @@ def measure(kernel, dtype: torch.dtype, gemm: Gemm, stop_on_noise: bool = True,
     return Measured(best, noise)
 
 
-def measure_gemm(first: Gemm, second: Gemm, stop_on_noise: bool = True) -> Measured:
-    """1 where `first` is not slower than `second` on [GEMM_ROWS, in] x CALIBRATION_SHAPE^T,
-    else 0."""
+def measure_gemm(first: Gemm, second: Gemm, stop_on_noise: bool = True,
+                 shapes: Sequence[tuple[int, int]] = ()) -> Measured:
+    """1 where `first` is not slower than `second` on GEMM_ROWS rows times weights of `shapes`
+    (each call times all of them) or CALIBRATION_SHAPE, else 0."""
     if (noise := Watch.probe(torch.get_num_threads())) and stop_on_noise:
         return Measured(None, noise)
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(*CALIBRATION_SHAPE, generator=gen)
-    x = torch.randn(GEMM_ROWS, w.shape[1], generator=gen)
-    first(x, w), second(x, w)  # settles their own choices before the watch starts
+    ws, (x,) = _operands(torch.float32, (GEMM_ROWS,), shapes)
+    fa, fb = _on_all(first, ws, x), _on_all(second, ws, x)
+    fa(), fb()  # settles their own choices before the watch starts
     watch = Watch(torch.get_num_threads())
-    (a, b), noise2 = race([lambda: first(x, w), lambda: second(x, w)],
-                          watch if stop_on_noise else None)
+    (a, b), noise2 = race([fa, fb], watch if stop_on_noise else None)
     noise = noise or noise2 or watch.noise()
     if noise and stop_on_noise:
         return Measured(None, noise)
@@ -479,8 +478,8 @@ def gemm_key(threads: int, isa: str, shapes: Sequence[tuple[int, int]] = ()) -> 
     return f"float32:{threads}:{isa}:mkl_from{_shapes_tail(shapes)}"
 
 
-def sgemm_key(threads: int, isa: str) -> str:
-    return f"float32:{threads}:{isa}:sgemm"
+def sgemm_key(threads: int, isa: str, shapes: Sequence[tuple[int, int]] = ()) -> str:
+    return f"float32:{threads}:{isa}:sgemm{_shapes_tail(shapes)}"
 
 
 def widen_key(threads: int, isa: str) -> str:

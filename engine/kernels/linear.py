@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -208,15 +207,16 @@ def sgemm_kernel() -> ModuleType | None:
 
 _sgemm = calibrate.Choices(
     "float32 gemm compiled sgemm (1) or BLAS (0)", calibrate.sgemm_key,
-    lambda threads, isa: calibrate.measure_gemm(sgemm_kernel().sgemm, blas_linear),
-    lambda threads, isa: 0)
+    lambda threads, isa, shapes: calibrate.measure_gemm(sgemm_kernel().sgemm, blas_linear,
+                                                        shapes=shapes),
+    lambda threads, isa, shapes: 0)
 
 
 def kernel_sgemm(threads: int) -> bool:
     """Whether float32 gemms beyond the skinny rows go to the compiled sgemm at this thread
-    count and kernel path (else `blas_linear`): measured once per machine where quiet, then
-    read from the store."""
-    return bool(_sgemm(threads, sgemm_kernel().get_isa()))
+    count and kernel path (else `blas_linear`), for the model's layer shapes: measured once
+    per machine where quiet, then read from the store."""
+    return bool(_sgemm(threads, sgemm_kernel().get_isa(), _gemm_shapes))
 
 
 _thresholds = calibrate.Choices(
@@ -245,31 +245,23 @@ def recalibrate() -> dict[str, int | None]:
     for choices in (_mkl_from, _sgemm, _thresholds, _widen, _attn_pairs):
         choices.cache_clear()
     _skinny.clear()
-    threads, isa = torch.get_num_threads(), kernel.get_isa()
-    runs: dict[str, tuple[str, Callable[[], calibrate.Measured]]] = {}
+    threads, isa, shapes = torch.get_num_threads(), kernel.get_isa(), _gemm_shapes
+    # each choice's own key and measurement, in an order where a gemm is settled before the
+    # choices timed against it (the widened gemm is large_linear's)
+    runs: dict[str, tuple[calibrate.Choices, tuple]] = {}
     if ONEDNN:
-        runs["float32_mkl_from"] = (calibrate.gemm_key(threads, isa, _gemm_shapes),
-                                    lambda: calibrate.measure_from(
-                                        F.linear, onednn_linear, torch.float32,
-                                        rows=calibrate.MKL_ROWS, shapes=_gemm_shapes,
-                                        tie=calibrate.TIE))
+        runs["float32_mkl_from"] = (_mkl_from, (threads, isa, shapes))
     if sgemm_kernel() is not None:
-        runs["float32_sgemm"] = (calibrate.sgemm_key(threads, isa),
-                                 lambda: calibrate.measure_gemm(kernel.sgemm, blas_linear))
+        runs["float32_sgemm"] = (_sgemm, (threads, isa, shapes))
     for dtype in (torch.float32, torch.bfloat16):
-        runs[str(dtype).removeprefix("torch.")] = (
-            calibrate.threshold_key(dtype, threads, isa, _gemm_shapes),
-            lambda dtype=dtype: calibrate.measure(kernel, dtype, large_linear,
-                                                  shapes=_gemm_shapes))
-    # after the float32 choices: the widened gemm is large_linear's
-    runs["bfloat16_widen"] = (calibrate.widen_key(threads, isa), lambda: calibrate.measure_from(
-        widened_linear, F.linear, torch.bfloat16))
+        runs[str(dtype).removeprefix("torch.")] = (_thresholds, (dtype, threads, isa, shapes))
+    runs["bfloat16_widen"] = (_widen, (threads, isa))
     if isa == "avx512_bf16":
-        runs["bfloat16_attention_pairs"] = (calibrate.attention_key(threads, isa),
-                                            lambda: calibrate.measure_attention(kernel))
+        runs["bfloat16_attention_pairs"] = (_attn_pairs, (threads, isa))
     out: dict[str, int | None] = {}
-    for name, (key, run) in runs.items():
-        got = calibrate.measure_and_store(key, run)
+    for name, (choices, args) in runs.items():
+        key = choices.key_of(*args)
+        got = calibrate.measure_and_store(key, lambda c=choices, a=args: c.measure_of(*a))
         out[name] = got.value if got.noise is None else None
         if got.noise is not None:
             logger.warning("%s: %s, not stored", key, got.noise)

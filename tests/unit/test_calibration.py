@@ -159,7 +159,7 @@ def test_quiet_measurements_are_stored_per_dtype_threads_and_path(store, gates_o
     if linear_mod.ONEDNN:  # the float32 gemm beyond them, measured on the way
         keys.add(calibrate.gemm_key(1, store_isa(), linear_mod._gemm_shapes))
     if linear_mod.sgemm_kernel() is not None:
-        keys.add(calibrate.sgemm_key(1, store_isa()))
+        keys.add(calibrate.sgemm_key(1, store_isa(), linear_mod._gemm_shapes))
     table = _stored(store)
     assert keys <= set(table) and all(isinstance(table[k]["at"], int) for k in keys)
     assert linear_mod.skinny_rows(torch.float16) == 0

@@ -87,8 +87,8 @@ def test_sgemm_choice_is_read_from_the_store(tmp_path, monkeypatch, stored):
     path = tmp_path / "k.thresholds.json"
     monkeypatch.setattr(calibrate, "_store", lambda: path)
     threads = torch.get_num_threads()
-    path.write_text(json.dumps({calibrate.sgemm_key(threads, mod.get_isa()):
-                                {"v": stored, "at": time.time()}}))
+    key = calibrate.sgemm_key(threads, mod.get_isa(), linear_mod._gemm_shapes)
+    path.write_text(json.dumps({key: {"v": stored, "at": time.time()}}))
     linear_mod._sgemm.cache_clear()
     try:
         assert linear_mod.kernel_sgemm(threads) is bool(stored)
