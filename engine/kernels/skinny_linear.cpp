@@ -118,20 +118,21 @@ constexpr int64_t kPrefetchBytes<Avx512Bf16> = 4096;
 // On an Intel Xeon (Emerald Rapids; the bench model's matmuls, weights from DRAM:
 // AB_WEIGHT_COPIES=4 scripts/decode_kernels_ab.py) that read 1.04-1.10x the weight a second at
 // 2-8 rows of x at 1 thread, 1.03-1.06x at 3-8 rows at 2; prefetching 2 or 4 tiles ahead
-// instead of 1 gained nothing more. bf16 (vdpbf16ps, half the FMA rate there) read 0.95-1.02x into L2: it stays.
+// instead of 1 gained nothing more. bf16 (vdpbf16ps, half the FMA rate there) read
+// 0.95-1.02x into L2: it stays in L1.
 template <typename T>
 inline void prefetch_share(const char* next, int64_t offset, int64_t bytes) {
   constexpr int kLocality = std::is_same_v<T, float> ? 2 : 3;  // 2: into L2 (prefetcht1)
   for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(next + offset + l, 0, kLocality);
 }
 
-// Where tile t of a thread's run [t0, t1) has a full next tile of NB rows in that run, its
+// Where tile t + ahead of a thread's run [t0, t1) is a full tile of NB rows in that run, its
 // first weight row; else null.
 template <typename T>
 inline const char* next_tile(const T* w, int64_t t, int64_t t1, int64_t NB, int64_t K,
-                             int64_t N) {
-  const int64_t n = (t + 1) * NB;
-  return t + 1 < t1 && n + NB <= N ? reinterpret_cast<const char*>(w + n * K) : nullptr;
+                             int64_t N, int64_t ahead = 1) {
+  const int64_t n = (t + ahead) * NB;
+  return t + ahead < t1 && n + NB <= N ? reinterpret_cast<const char*>(w + n * K) : nullptr;
 }
 
 // MB rows of x (stride K) against NB rows of w (stride K) into y (row stride N); where `next`
@@ -210,8 +211,8 @@ inline void all_rows(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t
 // 0.97-0.99x, so those keep one tile at a time. The sums are the same (bit-identical).
 constexpr int64_t kBlockTiles = 16;
 
-// Tiles [t, t1) of NB rows of w, TR rows of x a pass over each block of them; returns where it
-// stopped (the first tile without NB rows).
+// Tiles [t0, t1) of NB rows of w, TR rows of x a pass over each block of them; returns where
+// it stopped (the first tile without NB rows).
 template <typename P, typename T, int NB>
 int64_t run_blocks(const T* xp, const T* wp, T* yp, int64_t M, int64_t K, int64_t N,
                    int64_t t0, int64_t t1) {
@@ -221,13 +222,9 @@ int64_t run_blocks(const T* xp, const T* wp, T* yp, int64_t M, int64_t K, int64_
     const int64_t tb = std::min(full, t + kBlockTiles);
     int64_t m = 0;
     for (; m + TR <= M; m += TR)
-      for (int64_t u = t; u < tb; ++u) {
-        // the first pass asks for the next block's rows (see tile)
-        const int64_t n = (u + kBlockTiles) * NB;
-        const char* next = m == 0 && u + kBlockTiles < t1 && n + NB <= N
-                               ? reinterpret_cast<const char*>(wp + n * K) : nullptr;
-        tile<P, T, TR, NB, true>(xp + m * K, wp + u * NB * K, yp + m * N + u * NB, K, N, next);
-      }
+      for (int64_t u = t; u < tb; ++u)  // the first pass asks for the next block's rows
+        tile<P, T, TR, NB, true>(xp + m * K, wp + u * NB * K, yp + m * N + u * NB, K, N,
+                                 m == 0 ? next_tile(wp, u, t1, NB, K, N, kBlockTiles) : nullptr);
     for (int64_t u = t; u < tb && m < M; ++u)
       last_rows<P, T, NB, TR - 1>(xp + m * K, wp + u * NB * K, yp + m * N + u * NB, M - m, K,
                                   N, nullptr);
@@ -343,7 +340,8 @@ inline void pair_tile(const float* xs, int64_t Kp, const bf16* w, int64_t K, bf1
   for (; k + 2 * S <= K; k += 2 * S) {
     if constexpr (NB == 1 && kPrefetchBytes<P> > 0)  // no fault past the end: only a hint
       __builtin_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetchBytes<P>);
-    if (next != nullptr) prefetch_share<bf16>(next, k * NB * sizeof(bf16), NB * 2 * S * sizeof(bf16));
+    if (next != nullptr)
+      prefetch_share<bf16>(next, k * NB * sizeof(bf16), NB * 2 * S * sizeof(bf16));
     for (int j = 0; j < NB; ++j) wk[j] = w + j * K + k;
     step(wk, k);
   }
