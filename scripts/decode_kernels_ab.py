@@ -7,7 +7,9 @@ of bench-llama's heads), fp32 and bf16; best of 3 x 9 runs each, thread CPU time
 usage: python scripts/decode_kernels_ab.py OLD_HASH NEW_HASH THREADS paged,skinny,prefill [ISA]
 (two builds under ~/.cache/pdserve/kernels/pdserve_kernels_<hash>.so; ISA: the path both run,
 as PDSERVE_ISA names it). AB_WEIGHT_COPIES=N runs skinny over N copies of the weights (4: more
-than a 260 MiB L3 holds, so they come from DRAM as a loaded server's would).
+than a 260 MiB L3 holds, so they come from DRAM as a loaded server's would). AB_PEAK=X scales
+prefill's queries by X (20: scores ~20 wide, a peaked softmax whose tiny weights give denormal
+products).
 Prints GB/s (GFLOP/s for prefill) of each and NEW/OLD; skinny
 outputs must be equal, the attentions' close (max difference printed).
 """
@@ -92,7 +94,8 @@ def paged(a, b, dt, clock) -> None:
 
 def prefill(a, b, dt, clock) -> None:
     layers, tokens, heads, kv, dim = 8, 1024, 8, 4, 64
-    qkv = [(torch.randn(tokens, heads, dim).to(dt), torch.randn(tokens, kv, dim).to(dt),
+    peak = float(os.environ.get("AB_PEAK", "1"))
+    qkv = [((torch.randn(tokens, heads, dim) * peak).to(dt), torch.randn(tokens, kv, dim).to(dt),
             torch.randn(tokens, kv, dim).to(dt)) for _ in range(layers)]
     oa, ob = torch.empty(tokens, heads, dim), torch.empty(tokens, heads, dim)
 

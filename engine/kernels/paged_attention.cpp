@@ -345,6 +345,7 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor chunks, torc
                                   [&] {
     const scalar_t* c = chunks.data_ptr<scalar_t>();
     at::parallel_for(0, runs, 1, [&](int64_t rb, int64_t re) {
+      const FlushDenormals flush;  // simd.h: a peaked softmax's tiny weights cost assists
       on_path<scalar_t>([&](auto path) {
         using P = decltype(path);
         Decoder<P, scalar_t> dec(c, tb, max_blocks, layer, bs, kv_heads, group, dim, s);

@@ -386,6 +386,7 @@ void prefill(float* out, const T* q, const T* k, const T* v, int64_t ldq, int64_
     }
   }
   at::parallel_for(0, runs, 1, [&](int64_t rb, int64_t re) {
+    const FlushDenormals flush;  // simd.h: a peaked softmax's tiny weights cost assists
     const int64_t rows_max = bq * group;
     std::vector<E> qp(kInPlace ? 0 : rows_max * dim);
     std::vector<const E*> qrows(rows_max);
