@@ -60,9 +60,9 @@ inline float exp_nonpos(float x) {
 // Denormals flushed to zero on this thread while in scope (MXCSR's FTZ for results and DAZ
 // for inputs), restored after: what the attention kernels run under. A peaked softmax gives
 // weights near e^-87 whose products with V are denormal, and each denormal result costs x86 a
-// microcode assist (1024-token prefill attention with a score spread of ~20: avx512 35 vs
-// 120 GFLOP/s flushed, avx2 56 vs 72 at a spread of ~6). What is lost is under 1.2e-38 in a
-// weighted mean whose weights sum to at least 1: far below the output's ulp.
+// microcode assist (1024-token prefill attention, scores ~100 wide: avx512 23 vs 117 GFLOP/s
+// flushed, avx2 14 vs 70; ~50 wide: 2.1x). What is lost is under 1.2e-38 in a weighted mean
+// whose weights sum to at least 1: far below the output's ulp (the outputs were bit-equal).
 class FlushDenormals {
  public:
 #if defined(__SSE__)
