@@ -18,6 +18,8 @@ import socket
 import tempfile
 from collections.abc import Iterator
 
+import psutil
+
 _handed_out: set[int] = set()  # ports free_port chose in this process (maybe not bound yet)
 CLAIMS = os.path.join(tempfile.gettempdir(), f"pdserve-ports-{os.getuid()}.json")
 
@@ -72,22 +74,12 @@ def _claims() -> Iterator[set[int]]:
         except (ValueError, AttributeError):
             table = {}  # a torn or foreign file: start the table again
         me = os.getpid()
-        live = {p: pid for p, pid in table.items() if pid != me and _alive(pid)}
+        live = {p: pid for p, pid in table.items() if pid != me and psutil.pid_exists(pid)}
         yield set(live)
         live.update((p, me) for p in _handed_out)
         f.seek(0)
         f.truncate()
         json.dump(live, f)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _kernel_port(host: str) -> int:

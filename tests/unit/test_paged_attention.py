@@ -88,7 +88,7 @@ def test_long_prefills_match_dense_reference_on_every_isa_path(kernel_isa, dtype
 
 
 def test_a_peaked_softmax_matches_and_leaves_the_callers_denormals_alone(kernel_isa):
-    """Scores spread ~20 wide: most softmax weights sit near e^-87 and their products with V
+    """Scores spread ~20 wide: many softmax weights sit near e^-87 and their products with V
     are denormal, which the kernels flush to zero (simd.h FlushDenormals: each would cost a
     microcode assist); the outputs still match the definition, and the calling thread's
     floating-point mode is restored: torch keeps its denormals after the call."""
