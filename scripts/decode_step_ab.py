@@ -22,6 +22,7 @@ from decode_kernels_ab import load  # the same directory: a build by its hash
 
 import engine.kernels as ek
 import engine.kernels.linear as el
+from pdserve.bench.offline import python_layers
 
 
 class _Timed:
@@ -46,6 +47,32 @@ class _Timed:
         return timed
 
 
+def prefilled(dtype: str, batch: int, steps: int, ctx: int = 1024):
+    """An in-process engine (bench-llama, prefix caching off) running `batch` random
+    `ctx`-token prompts, prefilled and two full decode steps in, with room for `steps` more."""
+    from engine.client.inproc import InprocClient
+    from engine.config import EngineConfig
+    from engine.protocol import EngineCoreRequest, SamplingParams
+
+    # the first prompts decode while the last prefill: room for their extra tokens
+    extra = steps + 8 + batch * ctx // 2048
+    config = EngineConfig(model=".models/bench-llama", dtype=dtype, max_num_seqs=batch,
+                          max_model_len=ctx + extra + 16,
+                          num_kv_blocks=batch * ((ctx + extra + 16) // 16 + 1) + 4,
+                          block_size=16, max_num_batched_tokens=2048,
+                          enable_prefix_caching=False)
+    client = InprocClient(config)
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=extra)
+    for i in range(batch):
+        prompt = [rng.randrange(10, 8192) for _ in range(ctx)]
+        client.add_request(EngineCoreRequest(f"r{i}", prompt, params, None))
+    full = 0
+    while full < 3:  # the prefills, then two full steps
+        full += len(client.get_output().outputs) == batch
+    return client
+
+
 def main() -> None:
     dtype, batch, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     steps = int(sys.argv[4]) if len(sys.argv) > 4 else 20
@@ -55,26 +82,11 @@ def main() -> None:
         mod.compiled = lambda: kernels
         mod.linear_kernel = lambda: kernels
     ek.paged_attention = lambda: kernels
-    from engine.client.inproc import InprocClient
-    from engine.config import EngineConfig
-    from engine.protocol import EngineCoreRequest, SamplingParams
-
     torch.set_num_threads(threads)
-    ctx = 1024
-    config = EngineConfig(model=".models/bench-llama", dtype=dtype, max_num_seqs=batch,
-                          max_model_len=ctx + steps + 16,
-                          num_kv_blocks=batch * ((ctx + steps + 16) // 16 + 1) + 4,
-                          block_size=16, max_num_batched_tokens=2048,
-                          enable_prefix_caching=False)
-    client = InprocClient(config)
-    rng = random.Random(0)
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + 8)
-    for i in range(batch):
-        prompt = [rng.randrange(10, 8192) for _ in range(ctx)]
-        client.add_request(EngineCoreRequest(f"r{i}", prompt, params, None))
-    full = 0
-    while full < 3:  # the prefills, then two full steps
-        full += len(client.get_output().outputs) == batch
+    client = prefilled(dtype, batch, steps)
+    # the split needs the layers' calls from Python (decode_stack_ab.py: the stack's A/B)
+    layers = python_layers()
+    layers.__enter__()
     kernels.spent.clear()
     kernels.calls.clear()
     start = time.perf_counter()

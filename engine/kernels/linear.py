@@ -47,12 +47,19 @@ ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_li
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, in] @ weight[out, in]^T + bias, as F.linear."""
     if x.dim() == 2 and x.dtype == weight.dtype and x.is_cpu:
-        rows, kernel = _skinny.get((x.dtype, torch.get_num_threads())) or _skinny_now(x.dtype)
-        if x.shape[0] <= rows and kernel is not None:
+        kernel = skinny_kernel(x.dtype, x.shape[0])
+        if kernel is not None:
             y = kernel.skinny_linear(x.contiguous(), weight.contiguous())
             return y if bias is None else y.add_(bias)
         return large_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def skinny_kernel(dtype: torch.dtype, rows: int) -> ModuleType | None:
+    """The kernels' module where `linear` runs a CPU x of `rows` rows and this dtype on
+    `skinny_linear` (the rows are within the measured threshold), else None."""
+    limit, kernel = _skinny.get((dtype, torch.get_num_threads())) or _skinny_now(dtype)
+    return kernel if rows <= limit else None
 
 
 # (dtype, threads) -> (skinny rows, kernel) once the threshold is final: a decode step calls

@@ -30,6 +30,7 @@ double clock_seconds(int64_t threads, int64_t iters);
 bool has_bf16_dot();
 double bf16_dot_seconds(int64_t threads, int64_t iters);
 double read_seconds(torch::Tensor buf, int64_t threads);
+void bind_decode_stack(pybind11::module& m);  // decode_stack.cpp
 
 namespace {
 
@@ -95,4 +96,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("read_seconds", &read_seconds, "roofline: seconds to stream-read a float32 buffer",
         py::call_guard<py::gil_scoped_release>());
+  bind_decode_stack(m);
 }

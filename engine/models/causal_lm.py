@@ -9,10 +9,12 @@ and decode steps, concatenated.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from engine.kernels.linear import linear
+from engine.kernels.linear import linear, row_kernels, skinny_kernel
 from engine.models.arch import ModelArch
 from engine.models.layers import AttentionFn, DecoderLayer, add_rms_norm, empty_param
 from engine.models.parallel import (
@@ -60,6 +62,7 @@ class CausalLM(nn.Module):
             build_cos_sin_cache(arch.rope, arch.head_dim, arch.max_position_embeddings,
                                 dtype, device),
             persistent=False)
+        self._stack: Any = None  # the compiled DecodeStack, built on the first decode step
 
     @property
     def device(self) -> torch.device:
@@ -76,11 +79,53 @@ class CausalLM(nn.Module):
         cos = cos_sin[:, None, :half]
         sin = cos_sin[:, None, half:]
         x = vocab_parallel_embedding(input_ids, self.embed_tokens, self.layout, self.comm)
-        residual = None
-        reduce = None if self.comm is None else self.comm.all_reduce
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, attn, reduce)
+        stack = self._decode_stack(attn, x, cos, sin)
+        if stack is not None:
+            x, residual = self._run_stack(stack, x)
+        else:
+            residual = None
+            reduce = None if self.comm is None else self.comm.all_reduce
+            for layer in self.layers:
+                x, residual = layer(x, residual, cos, sin, attn, reduce)
         return add_rms_norm(x, residual, self.norm, self.arch.rms_norm_eps)[0]
+
+    def _decode_stack(self, attn: AttentionFn, x: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> Any:
+        """The compiled DecodeStack (decode_stack.cpp) set up for this step, where the step
+        holds only decodes for the paged kernel and every layer would run exactly the kernels
+        it runs (skinny matmuls at these rows, the rope, norm and activation kernels); else
+        None. It is built once, on the layers' own weight tensors."""
+        decode_only = getattr(attn, "decode_only", None)
+        step = decode_only() if decode_only is not None else None
+        if (step is None or self.arch.qk_norm or cos.dtype != x.dtype
+                or row_kernels(x) is None):
+            return None
+        kernel = skinny_kernel(x.dtype, x.shape[0])
+        if kernel is None:
+            return None
+        if self._stack is None:
+            ls = self.layers
+            self._stack = kernel.DecodeStack(
+                [la.input_norm for la in ls], [la.qkv_weight for la in ls],
+                [la.qkv_bias for la in ls if la.qkv_bias is not None],
+                [la.o_weight for la in ls], [la.o_bias for la in ls if la.o_bias is not None],
+                [la.post_attn_norm for la in ls], [la.gate_up_weight for la in ls],
+                [la.down_weight for la in ls], self.num_heads, self.num_kv_heads,
+                self.arch.head_dim, self.layout.intermediate_size, self.arch.rms_norm_eps)
+        self._stack.set_step(cos, sin, *step)
+        return self._stack
+
+    def _run_stack(self, stack: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer on the DecodeStack: one call without tensor parallelism, else each
+        layer's two halves with the all-reduces between them (as DecoderLayer.forward)."""
+        if self.comm is None:
+            return stack.run(x)
+        residual = None
+        for i in range(len(self.layers)):
+            o, residual = stack.attention(i, x, residual)
+            x, residual = stack.mlp(i, self.comm.all_reduce(o), residual)
+            x = self.comm.all_reduce(x)
+        return x, residual
 
     def layer_gemm_shapes(self) -> list[tuple[int, int]]:
         """[out, in] of a decoder layer's matmul weights (every layer's are the same; a TP

@@ -175,6 +175,18 @@ class PagedAttention:
             out[g.rows] = self._decode(layer, g, q[g.rows]).to(out.dtype)
         return out.to(q.dtype)
 
+    def decode_only(self) -> tuple | None:
+        """Where this step holds only decodes and they go to the compiled kernel: what every
+        layer's write_kv and paged_decode share, in DecodeStack.set_step's order after cos and
+        sin (kv rows, write rows, layer stride, block size, chunks, table, rows, lengths,
+        scale); else None."""
+        m = self.meta
+        if self.kernel is None or m.decode_table is None or m.prefill_spans or m.decode_groups:
+            return None
+        t = m.decode_table
+        return (self.rows, m.write_rows, m.layer_stride, m.block_size, self.block_view,
+                t.chunks, t.rows, t.ctx, self.scale)
+
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """This step's K and V into their cache slots (one kernel call, or two cats and an
         index_copy_)."""

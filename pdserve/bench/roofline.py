@@ -232,19 +232,19 @@ def _prefill_breakdown(client: Any, vocab: int, tokens: int, rid: str) -> dict[s
 
 def _decode_breakdown(client: Any, vocab: int, args: argparse.Namespace,
                       rid: str) -> dict[str, float]:
-    """Where a batch-1 decode step goes (one separately timed run, wrappers on): per step,
-    the model's matmuls, the attention calls and the rest (norms, rope, activations, the
-    sampler, Python), in seconds."""
+    """Where a batch-1 decode step goes (one separately timed run, wrappers on, the layers as
+    Python calls: `python_layers`): per step, the model's matmuls, the attention calls and the
+    rest (norms, rope, activations, the sampler, Python), in seconds."""
     from engine.models import causal_lm, layers
     from engine.runner.attention import PagedAttention
-    from pdserve.bench.offline import _timed
+    from pdserve.bench.offline import _timed, python_layers
 
     matmul, attention = [0.0], [0.0]
     client.add_request(_request(rid, vocab, args.decode_context, 5 + args.decode_steps, 7))
     for _ in range(5):  # the prefill and the warm-up steps
         client.get_output()
     steps, done = 0, False
-    with _timed([layers, causal_lm], "linear", matmul), \
+    with python_layers(), _timed([layers, causal_lm], "linear", matmul), \
             _timed([PagedAttention], "__call__", attention):
         start = time.perf_counter()
         while not done:

@@ -10,7 +10,8 @@ measured for it (its sequences a few steps longer: the bytes count each one's ow
 Bytes per step, each sequence b at context c_b (its prompt plus the tokens it has so far):
     batch decode bytes = e * (P + V*hidden) + e * 2*L*KV*D * sum_b c_b
 against the streaming read at the same thread count (`decode_bandwidth_fraction`).
-Where the time goes (one separately timed run of --batch-steps steps, wrappers on): the
+Where the time goes (one separately timed run of --batch-steps steps, wrappers on, the layers
+as Python calls: the compiled DecodeStack makes them where no wrapper sees them): the
 model's matmuls (`matmul_ms` a step), the attention calls (`attention_ms`, with the KV's
 GB/s), and the rest (`other_ms`: norms, rope, activations, the sampler, the runner's and
 the scheduler's Python). And the bound this CPU allows (`bound_fraction`): the same bytes
@@ -88,7 +89,7 @@ def batch_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> dict
     from engine.models import causal_lm, layers, load_arch
     from engine.protocol import EngineCoreRequest, SamplingParams
     from engine.runner.attention import PagedAttention
-    from pdserve.bench.offline import _timed
+    from pdserve.bench.offline import _timed, python_layers
 
     sizes = sorted((int(b) for b in args.batch_sizes.split(",") if b), reverse=True)
     if not sizes:
@@ -126,7 +127,7 @@ def batch_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> dict
                 batch.timed(2, size)
                 best = min(batch.timed(args.batch_steps, size) for _ in range(args.repeats))
                 matmul, attention = [0.0], [0.0]
-                with _timed([layers, causal_lm], "linear", matmul), \
+                with python_layers(), _timed([layers, causal_lm], "linear", matmul), \
                         _timed([PagedAttention], "__call__", attention):
                     start = time.perf_counter()
                     batch.timed(args.batch_steps, size)

@@ -66,3 +66,22 @@ def test_add_rms_norm_releases_the_gil(mod):
     x, res = torch.randn(2048, 4096), torch.randn(2048, 4096)  # 32 MiB each
     w = torch.randn(4096)
     assert _stamps_inside(lambda: mod.add_rms_norm(x, res, w, 1e-6))
+
+
+def test_the_decode_stack_releases_the_gil(mod):
+    from engine.runner.attention import AttentionMetadata, PagedAttention, SeqSpan
+
+    hidden, heads, kv, dim, inter, n = 2048, 16, 4, 128, 4096, 4  # ~100 MiB of weights
+    layer = [torch.ones(hidden), torch.randn(heads * dim + 2 * kv * dim, hidden),
+             torch.randn(hidden, heads * dim), torch.ones(hidden),
+             torch.randn(2 * inter, hidden), torch.randn(hidden, inter)]
+    stack = mod.DecodeStack([layer[0]], [layer[1]], [], [layer[2]], [], [layer[3]], [layer[4]],
+                            [layer[5]], heads, kv, dim, inter, 1e-6)
+    cache = torch.zeros(n, 1, 2, 16, kv, dim)
+    spans = [SeqSpan(i, 1, 9, [i]) for i in range(n)]
+    attn = PagedAttention(cache, AttentionMetadata(spans, 16, 1, torch.device("cpu"), True),
+                          dim ** -0.5, mod)
+    cos_sin = torch.randn(n, 1, dim)
+    stack.set_step(cos_sin[..., :dim // 2], cos_sin[..., dim // 2:], *attn.decode_only())
+    x = torch.randn(n, hidden)
+    assert _stamps_inside(lambda: stack.run(x))
