@@ -9,6 +9,7 @@ and decode steps, concatenated.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -24,6 +25,18 @@ from engine.models.parallel import (
     vocab_parallel_embedding,
 )
 from engine.models.rope import build_cos_sin_cache
+
+
+STACK_ENV = "PDSERVE_DECODE_STACK"  # "1" (default) or "0": the Python layers every step
+
+
+def decode_stack_enabled() -> bool:
+    """Whether decode-only steps may take the compiled DecodeStack (PDSERVE_DECODE_STACK=0 is
+    the escape hatch and the A/B switch); another value is an error naming it."""
+    value = os.environ.get(STACK_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{STACK_ENV}={value!r}: expected '1' (the default) or '0'")
+    return value == "1"
 
 
 class CausalLM(nn.Module):
@@ -63,6 +76,7 @@ class CausalLM(nn.Module):
                                 dtype, device),
             persistent=False)
         self._stack: Any = None  # the compiled DecodeStack, built on the first decode step
+        self._stack_on = decode_stack_enabled()
 
     @property
     def device(self) -> torch.device:
@@ -95,7 +109,7 @@ class CausalLM(nn.Module):
         holds only decodes for the paged kernel and every layer would run exactly the kernels
         it runs (skinny matmuls at these rows, the rope, norm and activation kernels); else
         None. It is built once, on the layers' own weight tensors."""
-        decode_only = getattr(attn, "decode_only", None)
+        decode_only = getattr(attn, "decode_only", None) if self._stack_on else None
         step = decode_only() if decode_only is not None else None
         if (step is None or self.arch.qk_norm or cos.dtype != x.dtype
                 or row_kernels(x) is None):

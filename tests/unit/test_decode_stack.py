@@ -107,3 +107,15 @@ def test_the_stack_is_not_used_where_a_layer_runs_other_code(tiny_models):
     rows = kernel_linear.skinny_rows(torch.float32)
     assert _forward(model, *_case(model, 3, [20] * rows), kernel, stack=True)[2]
     assert not _forward(model, *_case(model, 3, [20] * (rows + 1)), kernel, stack=True)[2]
+
+
+def test_the_environment_turns_the_stack_off_and_a_bad_value_is_an_error(tiny_models,
+                                                                        monkeypatch):
+    from engine.kernels import compiled
+
+    monkeypatch.setenv("PDSERVE_DECODE_STACK", "0")
+    model = load_model(tiny_models["llama"], dtype="float32")
+    assert not _forward(model, *_case(model, 4, [20, 4]), compiled(), stack=True)[2]
+    monkeypatch.setenv("PDSERVE_DECODE_STACK", "yes")
+    with pytest.raises(ValueError, match="PDSERVE_DECODE_STACK='yes'"):
+        load_model(tiny_models["llama"], dtype="float32")
