@@ -26,7 +26,6 @@ from engine.models.parallel import (
 )
 from engine.models.rope import build_cos_sin_cache
 
-
 STACK_ENV = "PDSERVE_DECODE_STACK"  # "1" (default) or "0": the Python layers every step
 
 
