@@ -84,15 +84,14 @@ def main() -> None:
     ek.paged_attention = lambda: kernels
     torch.set_num_threads(threads)
     client = prefilled(dtype, batch, steps)
-    # the split needs the layers' calls from Python (decode_stack_ab.py: the stack's A/B)
-    layers = python_layers()
-    layers.__enter__()
     kernels.spent.clear()
     kernels.calls.clear()
-    start = time.perf_counter()
-    for _ in range(steps):
-        client.get_output()
-    step = (time.perf_counter() - start) / steps
+    # the split needs the layers' calls from Python (decode_stack_ab.py: the stack's A/B)
+    with python_layers():
+        start = time.perf_counter()
+        for _ in range(steps):
+            client.get_output()
+        step = (time.perf_counter() - start) / steps
     print(f"{dtype} B={batch} threads={threads} step {step * 1e3:.2f} ms", end="")
     for name, spent in sorted(kernels.spent.items(), key=lambda kv: -kv[1]):
         print(f"  {name} {spent / steps * 1e3:.2f}", end="")
