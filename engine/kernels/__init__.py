@@ -5,7 +5,8 @@ attention, paged_attention.cpp), `prefill_attention` (causal prefill attention,
 prefill_attention.cpp), `write_kv` (a step's K/V into the paged cache), `rope_` (rotary
 embedding in place, rope.cpp), `add_rms_norm` (residual add + RMSNorm, rms_norm.cpp),
 `silu_mul` (SwiGLU's activation, silu_mul.cpp) and `skinny_linear` (float32 / bf16
-matmuls with few rows, skinny_linear.cpp), and `DecodeStack` (a decode-only step's decoder
+matmuls with few rows, skinny_linear.cpp), `argmax_rows` (greedy decoding's argmax,
+argmax.cpp) and `DecodeStack` (a decode-only step's decoder
 layers in compiled calls, decode_stack.cpp). `paged_attention()` and `linear_kernel()` return the
 module or None, in which case the caller uses its pure-torch path. The build is keyed by the
 sources, the compiler flags, the torch version and the CPU (the code is built with
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(n)
             for n in ("ops.cpp", "paged_attention.cpp", "prefill_attention.cpp", "rope.cpp",
                       "rms_norm.cpp", "silu_mul.cpp", "skinny_linear.cpp", "roofline.cpp",
-                      "sgemm.cpp", "decode_stack.cpp")]
+                      "sgemm.cpp", "decode_stack.cpp", "argmax.cpp")]
 _HEADERS = [Path(__file__).with_name(n) for n in ("isa.h", "simd.h")]
 # -fopenmp: at::parallel_for is inlined into the kernel and parallel only with OpenMP on; the
 # extension then shares torch's own libgomp.so.1 (the loader finds it already loaded).

@@ -22,6 +22,7 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torc
                        double scale, bool bf16_pairs);
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w);
 torch::Tensor sgemm(torch::Tensor x, torch::Tensor w);
+torch::Tensor argmax_rows(torch::Tensor logits);
 int64_t fma_lanes();
 std::string fma_isa();
 double fma_seconds(int64_t threads, int64_t iters);
@@ -78,6 +79,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "x @ w^T for a few rows of x (CPU, float32 or bf16)",
         py::call_guard<py::gil_scoped_release>());
   m.def("sgemm", &sgemm, "x @ w^T for many rows of x (CPU, float32, AVX2+FMA paths)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("argmax_rows", &argmax_rows,
+        "torch.argmax(logits, -1) of float32 [N, V] logits, vectorized (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("isa_paths", &isa_paths, "instruction-set paths this build has, best first");
   m.def("get_isa", &get_isa, "the path the kernels run now");

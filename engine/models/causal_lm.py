@@ -15,12 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.kernels.argmax import argmax_rows
 from engine.kernels.linear import linear, row_kernels, skinny_kernel
 from engine.models.arch import ModelArch
 from engine.models.layers import AttentionFn, DecoderLayer, add_rms_norm, empty_param
 from engine.models.parallel import (
     Collectives,
     TPLayout,
+    gather_argmax,
     gather_logits,
     vocab_parallel_embedding,
 )
@@ -152,3 +154,11 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] (rows of forward's output) -> float32 logits [N, vocab_size]."""
         return gather_logits(linear(hidden, self.lm_head).float(), self.layout, self.comm)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> int64 [N], argmax(compute_logits(hidden)) to the bit; under TP
+        without gathering the logits (`gather_argmax`: each rank's argmax, then [N, 2])."""
+        local = linear(hidden, self.lm_head).float()
+        if self.comm is None or self.layout.vocab_size >= 1 << 24:
+            return argmax_rows(gather_logits(local, self.layout, self.comm))
+        return gather_argmax(local, self.layout, self.comm)

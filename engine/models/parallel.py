@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.argmax import argmax_rows
 from engine.models.arch import ModelArch
 
 AllReduceFn = Callable[[torch.Tensor], torch.Tensor]
@@ -94,3 +95,24 @@ def gather_logits(local: torch.Tensor, layout: TPLayout,
     if layout.size == 1:
         return local
     return comm.all_gather(local.contiguous())[:, :layout.vocab_size]
+
+
+def gather_argmax(local: torch.Tensor, layout: TPLayout, comm: Collectives) -> torch.Tensor:
+    """Greedy decoding's tokens, int64 [N], from this rank's float32 logit columns without
+    gathering them: each rank takes its columns' argmax (value and vocabulary index), the
+    ranks all-gather those [N, 2] pairs (float32: the index is exact below 2^24) and every
+    rank picks the first rank's pair holding the largest value. That is the argmax of the
+    gathered logits to the bit (the first maximum in vocabulary order; the first NaN)."""
+    if layout.vocab_size >= 1 << 24:
+        raise ValueError("gather_argmax: vocabulary indices from 2^24 are not exact in float32")
+    cols = layout.vocab_end - layout.vocab_start  # the last rank's padding columns left out
+    if cols > 0:
+        idx = argmax_rows(local[:, :cols])
+        val = local.gather(1, idx[:, None])
+    else:  # a rank past the vocabulary's end (more ranks than it has rows of logits)
+        idx = torch.zeros(local.shape[0], dtype=torch.long)
+        val = torch.full((local.shape[0], 1), float("-inf"))
+    pair = torch.cat([val.float(), (idx + layout.vocab_start).float()[:, None]], dim=1)
+    both = comm.all_gather(pair)  # [N, 2 * T]: rank r's value at 2r, its index at 2r + 1
+    rank = argmax_rows(both[:, 0::2].contiguous())
+    return both[:, 1::2].gather(1, rank[:, None]).squeeze(1).long()

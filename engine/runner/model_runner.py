@@ -22,7 +22,8 @@ from engine.protocol import SamplingParams
 from engine.runner.attention import AttentionMetadata, PagedAttention, SeqSpan
 from engine.runner.huge_pages import alloc_kv_cache, weights_on_huge_pages
 from engine.runner.prompt_logprobs import PromptLogprobRows, PromptLogprobs
-from engine.runner.sampler import Sampler, build_sampling_metadata
+from engine.runner.sampler import Sampler, SamplerOutput, build_sampling_metadata
+from engine.runner.sampling_metadata import SamplingMetadata, uses_penalties
 from engine.runner_output import ModelRunnerOutput
 from engine.sched.output import NewRequestData, SchedulerOutput
 from engine.structured.grammars import GrammarTable
@@ -168,7 +169,8 @@ class ModelRunner:
                 sampling.append(state)
         # the grammar masks of this step's sampled rows, computed while the model runs
         masks = self.grammars.bitmask_async(
-            [(s.req_id, s.params.structured, s.token_ids[s.num_prompt_tokens:])
+            [(s.req_id, s.params.structured,
+              s.token_ids[s.num_prompt_tokens:] if s.params.structured else [])
              for s in sampling])
         meta = AttentionMetadata(spans, self.block_size, self.arch.num_layers, self.device,
                                  kernel=self.attn_kernel is not None)
@@ -182,16 +184,13 @@ class ModelRunner:
             self.prompt_logprobs.compute(hidden, prompt_rows, self.model.compute_logits)
         sampled_by_id: dict[str, tuple[int, object]] = {}
         if sampling:
-            logits = self.model.compute_logits(hidden[sample_rows])
-            smeta = build_sampling_metadata(
-                [s.params for s in sampling],
-                [s.token_ids[:s.num_prompt_tokens] for s in sampling],
-                [s.token_ids[s.num_prompt_tokens:] for s in sampling],
-                [s.generator for s in sampling],
-                [s.eos_token_id for s in sampling],
-            )
+            smeta = self._sampling_metadata(sampling)
             smeta.grammar_bitmask = None if masks is None else masks.result()
-            result = self.sampler(logits, smeta)
+            if smeta.plain_greedy:  # the argmax alone (under TP without gathering logits)
+                result = SamplerOutput(self.model.greedy_tokens(hidden[sample_rows]),
+                                       [None] * len(sampling))
+            else:
+                result = self.sampler(self.model.compute_logits(hidden[sample_rows]), smeta)
             token_list = result.sampled_token_ids.tolist()
             for i, state in enumerate(sampling):
                 state.token_ids.append(token_list[i])
@@ -206,3 +205,19 @@ class ModelRunner:
             out.sampled_token_ids.append([] if tok is None else [tok])
             out.logprobs.append(lp)
         return out
+
+    @staticmethod
+    def _sampling_metadata(sampling: list[CachedRequest]) -> SamplingMetadata:
+        """The sampled rows' metadata. Their token histories are copied only when a penalty
+        reads them; otherwise `range`s of their lengths stand in (min_tokens counts outputs),
+        since a copy of every sequence's history each step grows with the context."""
+        params = [s.params for s in sampling]
+        if uses_penalties(params):
+            prompts = [s.token_ids[:s.num_prompt_tokens] for s in sampling]
+            outputs = [s.token_ids[s.num_prompt_tokens:] for s in sampling]
+        else:
+            prompts = [range(s.num_prompt_tokens) for s in sampling]
+            outputs = [range(len(s.token_ids) - s.num_prompt_tokens) for s in sampling]
+        return build_sampling_metadata(params, prompts, outputs,
+                                       [s.generator for s in sampling],
+                                       [s.eos_token_id for s in sampling])

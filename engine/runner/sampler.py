@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.argmax import argmax_rows
 from engine.protocol import Logprobs
 from engine.runner.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from engine.runner.sampling_ops import (
@@ -49,10 +50,9 @@ class Sampler:
             )
         if meta.device != logits.device:
             meta = meta.to(logits.device)  # metadata built for another device: follow logits
-        if (meta.all_greedy and meta.no_penalties and meta.min_tokens_mask is None
-                and not meta.needs_logprobs and meta.grammar_bitmask is None):
+        if meta.plain_greedy:
             # Hot path: plain greedy decoding is one argmax, exactly what HF greedy does.
-            return SamplerOutput(logits.argmax(dim=-1), [None] * meta.num_rows)
+            return SamplerOutput(argmax_rows(logits), [None] * meta.num_rows)
 
         raw_logprobs = None
         if meta.needs_logprobs:
@@ -75,7 +75,7 @@ class Sampler:
 
     @staticmethod
     def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        greedy = None if meta.all_random else logits.argmax(dim=-1)
+        greedy = None if meta.all_random else argmax_rows(logits)
         if meta.all_greedy:
             return greedy
         assert meta.temperature is not None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,13 @@ class SamplingMetadata:
     def needs_logprobs(self) -> bool:
         return self.max_num_logprobs is not None
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row takes its logits' argmax as they are: greedy, no penalty, no min_tokens
+        or grammar mask, no logprobs (the set grammar_bitmask included)."""
+        return (self.all_greedy and self.no_penalties and self.min_tokens_mask is None
+                and not self.needs_logprobs and self.grammar_bitmask is None)
+
     def to(self, device: torch.device | str) -> SamplingMetadata:
         """A copy with every tensor on `device` (generators stay where they are)."""
         device = torch.device(device)
@@ -75,7 +83,14 @@ class SamplingMetadata:
         return dataclasses.replace(self, device=device, **changes)
 
 
-def _flatten(rows: list[list[int]], device: torch.device | str
+def uses_penalties(params: list[SamplingParams]) -> bool:
+    """Whether any row has a repetition, presence or frequency penalty (only those read the
+    token histories themselves)."""
+    return any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+               or p.frequency_penalty != 0.0 for p in params)
+
+
+def _flatten(rows: Sequence[Sequence[int]], device: torch.device | str
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged token lists -> (row index, token id) pairs, built without a per-token loop."""
     lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
@@ -86,8 +101,8 @@ def _flatten(rows: list[list[int]], device: torch.device | str
 
 def build_sampling_metadata(
     params: list[SamplingParams],
-    prompt_token_ids: list[list[int]],
-    output_token_ids: list[list[int]],
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
     generators: list[torch.Generator | None],
     eos_token_ids: list[int | None],
     device: torch.device | str = "cpu",
@@ -96,7 +111,9 @@ def build_sampling_metadata(
 
     `generators[i]` is request i's own generator (created by the runner from its seed) or
     None to use the default generator. `output_token_ids[i]` are the tokens generated so far
-    (they drive penalties and min_tokens).
+    (they drive penalties and min_tokens). Only penalties read the histories' tokens: without
+    one (`uses_penalties`) any sequence of the right length will do, and the runner passes
+    `range`s rather than copy every sequence's history each step.
     """
     n = len(params)
     if not (len(prompt_token_ids) == len(output_token_ids) == len(generators)
@@ -134,10 +151,7 @@ def build_sampling_metadata(
             )
         gens = {i: g for i, g in enumerate(generators) if g is not None and not greedy[i]}
 
-    no_penalties = all(
-        p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-        and p.frequency_penalty == 0.0 for p in params
-    )
+    no_penalties = not uses_penalties(params)
     rep = pres = freq = prompt_t = output_t = None
     if not no_penalties:
         rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32,

@@ -320,3 +320,30 @@ def test_mixed_truncated_and_plain_rows_in_one_batch():
         assert a in (0, 1) and c in (0, 1) and d == 0
         seen1.add(b)
     assert len(seen1) > V // 2
+
+
+def test_the_runners_metadata_copies_histories_only_for_penalties_and_counts_outputs():
+    """The runner passes each row's history to the metadata only when a penalty reads it;
+    otherwise ranges of the right lengths stand in, and min_tokens still counts the outputs
+    each row has: the same masks and penalties as with the real histories."""
+    from engine.runner.model_runner import CachedRequest, ModelRunner
+
+    def row(i, params, n_out):
+        return CachedRequest(f"r{i}", [7, 8, 9] + [3] * n_out, 3, params, [], 0, 5)
+
+    plain = SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[6])
+    rows = [row(0, plain, 2), row(1, plain, 4)]
+    got = ModelRunner._sampling_metadata(rows)
+    want = build_sampling_metadata([r.params for r in rows], [[7, 8, 9]] * 2,
+                                   [[3, 3], [3] * 4], [None] * 2, [5, 5])
+    assert [t.tolist() for t in got.min_tokens_mask] == [[0, 0], [5, 6]]
+    assert [t.tolist() for t in want.min_tokens_mask] == [[0, 0], [5, 6]]
+    assert got.prompt_tokens is None and not got.plain_greedy
+
+    penal = SamplingParams(temperature=0.0, repetition_penalty=1.3)
+    rows = [row(0, penal, 3), row(1, SamplingParams(temperature=0.0), 1)]
+    got = ModelRunner._sampling_metadata(rows)
+    assert [t.tolist() for t in got.prompt_tokens] == [[0, 0, 0, 1, 1, 1], [7, 8, 9] * 2]
+    assert [t.tolist() for t in got.output_tokens] == [[0, 0, 0, 1], [3, 3, 3, 3]]
+    assert ModelRunner._sampling_metadata([row(0, SamplingParams(temperature=0.0), 9)]
+                                          ).plain_greedy

@@ -73,9 +73,44 @@ def _rank_main(mode: str, rank: int, path: str, out: str, arg: str) -> None:
     # A dtype the segment does not take goes through gloo, still summed.
     other = torch.full((8, 16), float(rank + 1), dtype=torch.float64)
     results.append({"equal": bool((comm.all_reduce(other) == 3.0).all()), "sha": ""})
+    for name, full in _argmax_cases(torch):
+        got = _gather_argmax(torch, full, rank, comm)
+        results.append({"equal": bool(torch.equal(got, full.argmax(dim=-1))),
+                        "sha": str(got.tolist()), "case": name})
     with open(out, "w") as f:
         json.dump({"kind": kind, "results": results}, f)
     dist.destroy_process_group()
+
+
+def _argmax_cases(torch):
+    """Full logits [N, V] (the same on both ranks) for greedy decoding's sharded argmax."""
+    gen = torch.Generator().manual_seed(5)
+    odd = torch.randn(64, 8191, generator=gen)  # odd: rank 1's shard has a padding column
+    yield "random, padded shard", odd
+    ties = torch.zeros(4, 100)
+    ties[0, [10, 60]] = 1.0  # the same maximum on both ranks: rank 0's
+    ties[1, [60, 70]] = 1.0  # twice on rank 1: its first
+    ties[2, :] = float("-inf")  # nothing but -inf: index 0
+    ties[3, 99] = 2.0  # the last column
+    yield "ties across ranks", ties
+    nan = torch.randn(3, 100, generator=gen)
+    nan[0, 70] = float("nan")  # only rank 1 has one
+    nan[1, [20, 80]] = float("nan")  # both: rank 0's
+    nan[2, [90, 95]] = float("nan")  # rank 1's first
+    yield "NaN", nan
+
+
+def _gather_argmax(torch, full, rank: int, comm):
+    """Rank `rank`'s shard of `full` as the TP lm_head leaves it (padding columns of +inf,
+    which must never win), then gather_argmax."""
+    from engine.models.parallel import TPLayout, gather_argmax
+
+    n, vocab = full.shape
+    rows = -(-vocab // 2)
+    padded = torch.cat([full, torch.full((n, 2 * rows - vocab), float("inf"))], dim=1)
+    layout = TPLayout(rank, 2, 1, 1, 0, 1, rank * rows, rows, vocab)
+    return gather_argmax(padded[:, rank * rows:(rank + 1) * rows].contiguous(), layout,
+                         comm)
 
 
 def _woke() -> int:
@@ -114,13 +149,17 @@ def test_segment_is_private_reserved_and_removable(segment, tmp_path):
 
 
 def test_shm_all_reduce_and_all_gather_equal_gloo_bit_for_bit_on_both_ranks(segment, tmp_path):
+    """And greedy decoding's argmax over the ranks' logit shards (`gather_argmax`) is
+    torch.argmax of the whole logits on both ranks: ties to the first, NaN, padding."""
+    import torch
+
     outs = [str(tmp_path / f"rank{r}.json") for r in (0, 1)]
     procs = [_spawn("equal", r, segment, outs[r], str(tmp_path / "store")) for r in (0, 1)]
     assert [p.wait(timeout=240) for p in procs] == [0, 0]
     got = [json.load(open(o)) for o in outs]
     assert [g["kind"] for g in got] == ["shm", "shm"]
-    for case, a, b in zip([*CASES, "float64 via gloo"], *(g["results"] for g in got),
-                          strict=True):
+    cases = [*CASES, "float64 via gloo", *(name for name, _ in _argmax_cases(torch))]
+    for case, a, b in zip(cases, *(g["results"] for g in got), strict=True):
         assert a["equal"] and b["equal"], case  # each rank: shm == gloo
         assert a["sha"] == b["sha"], case  # and both ranks hold the same bytes
 
