@@ -25,7 +25,10 @@ from engine.models.source import resolve_model
 from engine.protocol import StructuredOutput
 
 MAX_TOKENS = 32
-BF16_TIE_MARGIN = 0.25  # two bf16 steps at |logit| 16..32
+# Four bf16 steps at |logit| 16..32 (0.125 each). Two were observed in most runs, three once
+# (a CI run of session 18: 0.375), as the batches around a token vary with timing; a wrong
+# layer's or block's KV parts at once and by nats, far outside it.
+BF16_TIE_MARGIN = 0.5
 REMOTE_TOKENS = "pdserve:kv_remote_prefill_tokens_total"
 QUESTIONS = [
     "What is the capital of France?", "Why is the sky blue?", "Write a haiku about the sea.",
