@@ -110,8 +110,8 @@ def gather_argmax(local: torch.Tensor, layout: TPLayout, comm: Collectives) -> t
         idx = argmax_rows(local[:, :cols])
         val = local.gather(1, idx[:, None])
     else:  # a rank past the vocabulary's end (more ranks than it has rows of logits)
-        idx = torch.zeros(local.shape[0], dtype=torch.long)
-        val = torch.full((local.shape[0], 1), float("-inf"))
+        idx = torch.zeros(local.shape[0], dtype=torch.long, device=local.device)
+        val = torch.full((local.shape[0], 1), float("-inf"), device=local.device)
     pair = torch.cat([val.float(), (idx + layout.vocab_start).float()[:, None]], dim=1)
     both = comm.all_gather(pair)  # [N, 2 * T]: rank r's value at 2r, its index at 2r + 1
     rank = argmax_rows(both[:, 0::2].contiguous())

@@ -63,7 +63,7 @@ class SamplingMetadata:
     @property
     def plain_greedy(self) -> bool:
         """Every row takes its logits' argmax as they are: greedy, no penalty, no min_tokens
-        or grammar mask, no logprobs (the set grammar_bitmask included)."""
+        mask, no logprobs, and no grammar mask (grammar_bitmask, which the runner sets, None)."""
         return (self.all_greedy and self.no_penalties and self.min_tokens_mask is None
                 and not self.needs_logprobs and self.grammar_bitmask is None)
 
