@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.kernels.argmax import argmax_rows
 from engine.kernels.linear import linear, row_kernels, skinny_kernel
 from engine.models.arch import ModelArch
 from engine.models.layers import AttentionFn, DecoderLayer, add_rms_norm, empty_param
@@ -158,7 +157,4 @@ class CausalLM(nn.Module):
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> int64 [N], argmax(compute_logits(hidden)) to the bit; under TP
         without gathering the logits (`gather_argmax`: each rank's argmax, then [N, 2])."""
-        local = linear(hidden, self.lm_head).float()
-        if self.comm is None or self.layout.vocab_size >= 1 << 24:
-            return argmax_rows(gather_logits(local, self.layout, self.comm))
-        return gather_argmax(local, self.layout, self.comm)
+        return gather_argmax(linear(hidden, self.lm_head).float(), self.layout, self.comm)

@@ -97,14 +97,16 @@ def gather_logits(local: torch.Tensor, layout: TPLayout,
     return comm.all_gather(local.contiguous())[:, :layout.vocab_size]
 
 
-def gather_argmax(local: torch.Tensor, layout: TPLayout, comm: Collectives) -> torch.Tensor:
-    """Greedy decoding's tokens, int64 [N], from this rank's float32 logit columns without
-    gathering them: each rank takes its columns' argmax (value and vocabulary index), the
-    ranks all-gather those [N, 2] pairs (float32: the index is exact below 2^24) and every
-    rank picks the first rank's pair holding the largest value. That is the argmax of the
-    gathered logits to the bit (the first maximum in vocabulary order; the first NaN)."""
-    if layout.vocab_size >= 1 << 24:
-        raise ValueError("gather_argmax: vocabulary indices from 2^24 are not exact in float32")
+def gather_argmax(local: torch.Tensor, layout: TPLayout,
+                  comm: Collectives | None) -> torch.Tensor:
+    """Greedy decoding's tokens, int64 [N], from this rank's float32 logit columns, the
+    argmax of `gather_logits` to the bit (the first maximum in vocabulary order; the first
+    NaN). Under TP without gathering the logits: each rank takes its columns' argmax (value
+    and vocabulary index), the ranks all-gather those [N, 2] pairs (float32: the index is
+    exact below 2^24; a larger vocabulary gathers the logits) and every rank picks the first
+    rank's pair holding the largest value."""
+    if layout.size == 1 or layout.vocab_size >= 1 << 24:
+        return argmax_rows(gather_logits(local, layout, comm))
     cols = layout.vocab_end - layout.vocab_start  # the last rank's padding columns left out
     if cols > 0:
         idx = argmax_rows(local[:, :cols])
