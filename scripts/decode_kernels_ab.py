@@ -1,5 +1,6 @@
 """A/B of two builds of the compiled kernels in one process, interleaved: paged_decode at
-batch 1/8/32 x 1024 context (bench-llama's attention shapes, blocks in random order),
+batch 1/8/32 x 1024 context (bench-llama's attention shapes, blocks in random order, the
+cache on huge pages as the engine allocates it),
 skinny_linear on bench-llama's weights and prefill_attention over 1024 fresh tokens (8 layers
 of bench-llama's heads), fp32 and bf16; best of 3 x 9 runs each, thread CPU time at 1 thread
 (a loaded machine's run-queue waits left out), wall time at more.
@@ -23,6 +24,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from engine.runner.huge_pages import alloc_kv_cache
 
 SHAPES = [(1024, 512), (512, 512), (2816, 512), (512, 1408)]  # one layer's, [out, in]
 
@@ -74,7 +77,8 @@ def paged(a, b, dt, clock) -> None:
     layers, bs, kv, dim, heads, ctx = 8, 16, 4, 64, 8, 1024
     for batch in (1, 8, 32):
         nblk = ctx // bs
-        cache = torch.randn(batch * nblk + 1, layers, 2, bs, kv, dim).to(dt)
+        cache = alloc_kv_cache((batch * nblk + 1, layers, 2, bs, kv, dim), dt)  # as the engine
+        cache.copy_(torch.randn(cache.shape))
         view = cache.view(-1, bs, kv, dim)
         table = (torch.randperm(batch * nblk).view(batch, nblk) * (2 * layers)).contiguous()
         rows, lens = torch.arange(batch), torch.full((batch,), ctx)

@@ -11,11 +11,12 @@
 // for all query heads at once (the `group` query heads of a kv head share its rows: GQA; with
 // bf16 rows two heads of a group share each vector's load and widening, kPairs), and
 // folded into a running softmax per head (max m, sum l, the weighted sum rescaled by
-// e^(m_old - m_new) when the max grows). The block kAhead on in the thread's run (into the
-// next sequence at a sequence's end) is prefetched a few lines per step of the current one, so
-// the memory streams at the rate the work consumes it: the hardware prefetcher
-// does not cross the 4 KiB pages of the cache's 16 KiB chunks, and a burst of prefetches
-// stalls on the core's miss buffers.
+// e^(m_old - m_new) when the max grows). The memory is asked for kLeadBytes ahead of the
+// work, a few lines per step of it, in the order the work reads it: the run's K and V chunks
+// one after the other, into the next sequence at a sequence's end (Ahead). So it streams at
+// the rate the work consumes it: the hardware prefetcher does not follow the per-head column
+// order a chunk is read in (nor cross its 4 KiB pages), and a burst of prefetches stalls on
+// the core's miss buffers.
 //
 // Work items are runs of at most kPartPositions context positions of one sequence: a longer
 // context is cut into several (computed apart, then combined), so one long sequence (batch 1)
@@ -42,7 +43,12 @@ namespace {
 using namespace simd;
 
 constexpr int64_t kPartPositions = 512;  // context positions per work item at most
-constexpr int64_t kAhead = 2;            // blocks prefetched ahead of the one in work
+// Prefetch distance: the fewest whole chunks (K or V of a block) of at least this. On a Zen 5
+// EPYC (1 thread, batch 8-32 x 1024, paged_decode alone) 16 KiB took fp32 KV reads from
+// 0.49-0.54 of a streaming read to 0.67-0.78 and bf16 from 0.49-0.67 to 0.58-0.83; 8 KiB
+// (bf16: one chunk) or 32 KiB (fp32: two) were slower by 4-22 %. Distances from 32 KiB up
+// let lines be evicted again before their turn came (the old two whole blocks, 64 KiB).
+constexpr int64_t kLeadBytes = 16 << 10;
 
 // <q, k> over dim values, vector-wide on path P (simd.h), the remainder one by one.
 template <typename P, typename T>
@@ -89,30 +95,46 @@ inline typename P::V dots2(const float* q, const T* k, int64_t ld, int64_t dim) 
   return P::hsums(acc);
 }
 
-// Prefetches a range a few lines per step(): start() spreads its lines evenly over `steps`
-// steps, finish() asks for whatever is left. Hint T1 (L2): an fp32 block's K and V fill L1,
-// so lines kAhead blocks on asked into L1 evict the ones in work (T0 was 5-7 % slower at
-// batch 8 x 1024 fp32 on a Zen 3 EPYC).
+// Prefetches two ranges of `bytes`, one after the other, a few lines per step(): start()
+// spreads the first range's lines over `steps1` steps and the second's over the `steps2`
+// after them; finish() asks for whatever is left. Hint T0 (every level): a line is read
+// within a chunk or two of its prefetch (NTA's placement differs most between vendors).
 class Ahead {
  public:
-  void start(const void* p, int64_t bytes, int64_t steps) {
-    p_ = static_cast<const char*>(p);
-    end_ = p == nullptr ? p_ : p_ + bytes;
-    const int64_t lines = (bytes + 63) / 64;
-    per_ = 64 * ((lines + steps - 1) / std::max<int64_t>(steps, 1));
+  void start(const void* first, const void* second, int64_t bytes, int64_t steps1,
+             int64_t steps2) {
+    next_ = static_cast<const char*>(second);
+    bytes_ = bytes;
+    per2_ = per(steps2);
+    p_ = static_cast<const char*>(first);
+    end_ = first == nullptr ? p_ : p_ + bytes;
+    per_ = per(steps1);
   }
   void step() {
     const char* stop = std::min(p_ + per_, end_);
-    for (; p_ < stop; p_ += 64) __builtin_prefetch(p_, 0, 2);
+    for (; p_ < stop; p_ += 64) __builtin_prefetch(p_, 0, 3);
+    if (p_ >= end_ && next_ != nullptr) {
+      p_ = next_;
+      end_ = next_ + bytes_;
+      per_ = per2_;
+      next_ = nullptr;
+    }
   }
   void finish() {
-    for (; p_ < end_; p_ += 64) __builtin_prefetch(p_, 0, 2);
+    do step();
+    while (p_ < end_);
   }
 
  private:
   const char* p_ = nullptr;
   const char* end_ = nullptr;
-  int64_t per_ = 0;
+  const char* next_ = nullptr;
+  int64_t per(int64_t steps) const {  // bytes a step of `steps` asks for
+    steps = std::max<int64_t>(steps, 1);
+    return 64 * (((bytes_ + 63) / 64 + steps - 1) / steps);
+  }
+
+  int64_t per_ = 0, per2_ = 0, bytes_ = 0;
 };
 
 // One work item: blocks [j0, j1) of sequence b.
@@ -130,7 +152,7 @@ class Decoder {
       : chunks_(chunks), table_(table), max_blocks_(max_blocks), layer_(layer), bs_(bs),
         kv_heads_(kv_heads), group_(group), dim_(dim), heads_(kv_heads * group),
         row_(kv_heads * dim), chunk_(bs * kv_heads * dim), scale_(scale),
-        steps_(((bs + P::kStep - 1) / P::kStep + 1) * heads_), s_(heads_ * bs), m_(heads_),
+        score_steps_((bs + P::kStep - 1) / P::kStep * heads_), s_(heads_ * bs), m_(heads_),
         l_(heads_), acc_(heads_ * dim) {}
 
   // Items [begin, end) of `items`; item i's normalized output goes to outs[i] ([heads, dim],
@@ -138,18 +160,23 @@ class Decoder {
   void run(const Item* items, int64_t begin, int64_t end, const float* const* qs,
            float* const* outs, int64_t ld, float* ml) {
     if (begin >= end) return;
-    // The next block to prefetch, in run order (null past the run's end).
-    int64_t ai = begin, aj = items[begin].j0;
-    auto next_ahead = [&]() -> const T* {
+    // The run's chunks in the order the work reads them (K and V of each block, block after
+    // block; null past the run's end): the one `lead` chunks on is prefetched during each.
+    int64_t ai = begin, aj = items[begin].j0, kv = 0;
+    auto next_chunk = [&]() -> const T* {
       if (ai >= end) return nullptr;
-      const T* p = kchunk(items[ai].b, aj);
-      if (++aj == items[ai].j1 && ++ai < end) aj = items[ai].j0;
+      const T* p = kchunk(items[ai].b, aj) + kv * chunk_;
+      if (++kv == 2) {
+        kv = 0;
+        if (++aj == items[ai].j1 && ++ai < end) aj = items[ai].j0;
+      }
       return p;
     };
-    const int64_t bytes = 2 * chunk_ * static_cast<int64_t>(sizeof(T));  // a block's K and V
-    for (int64_t k = 0; k < kAhead; ++k) {  // the run's first blocks: nothing to hide behind
+    const int64_t bytes = chunk_ * static_cast<int64_t>(sizeof(T));
+    const int64_t lead = std::clamp<int64_t>((kLeadBytes + bytes - 1) / bytes, 1, 4);
+    for (int64_t c = 0; c < lead; ++c) {  // the run's first chunks: nothing to hide behind
       Ahead first;
-      first.start(next_ahead(), bytes, 1);
+      first.start(next_chunk(), nullptr, bytes, 1, 1);
       first.finish();
     }
     for (int64_t it = begin; it < end; ++it) {
@@ -159,8 +186,9 @@ class Decoder {
       std::fill(l_.begin(), l_.end(), 0.f);
       std::fill(acc_.begin(), acc_.end(), 0.f);
       for (int64_t j = item.j0; j < item.j1; ++j) {
-        Ahead ahead;
-        ahead.start(next_ahead(), bytes, steps_);
+        Ahead ahead;  // one chunk during the scores, the next during the weighted sum
+        const T* k1 = next_chunk();
+        ahead.start(k1, next_chunk(), bytes, score_steps_, heads_);
         block(qs[it], kchunk(item.b, j), std::min(bs_, n - j * bs_), ahead);
         ahead.finish();
       }
@@ -313,7 +341,7 @@ class Decoder {
   const int64_t* ctx_lens_ = nullptr;
   int64_t max_blocks_, layer_, bs_, kv_heads_, group_, dim_, heads_, row_, chunk_;
   float scale_;
-  int64_t steps_;  // ahead.step() calls per block
+  int64_t score_steps_;  // ahead.step() calls in a block's scores (heads_ more in its sum)
   std::vector<float> s_, m_, l_, acc_;
 };
 
