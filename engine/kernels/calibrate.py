@@ -26,8 +26,10 @@
   rank's shard), per thread count and path, MKL's losses within TIE counted as ties (on the
   bench model's full shapes the two are within 3 % at most counts, and a noisy loss at 256
   rows had ended the count there); and the
-  compiled sgemm (sgemm.cpp) against the BLAS choice at GEMM_ROWS rows, on the same shapes,
-  per thread count and path;
+  compiled sgemm (sgemm.cpp) against the BLAS choice at each of GEMM_ROWS' row counts, on the
+  same shapes, per thread count and path: the sgemm only where it wins at every one (on a Zen
+  5 EPYC at 2 threads it won at 256-1024 rows and lost 1.6-1.9x at 2048-8192, where BLAS
+  scales to the second thread: a choice measured at 256 rows made offline fp32 1.8x slower);
 - the bf16 gemm: from how many rows (WIDEN_ROWS, largest first: the smallest count from which
   it wins at every larger one; 0 where it loses at the largest) the float32 gemm on widened
   operands beats F.linear's bf16 (oneDNN), per thread count and path;
@@ -85,7 +87,7 @@ logger = logging.getLogger(__name__)
 
 CALIBRATION_SHAPE = (4096, 1024)  # [out, in]: 16 MiB in float32, 8 MiB in bf16
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
-GEMM_ROWS = 256  # a prefill chunk's rows, well past every skinny threshold
+GEMM_ROWS = (256, 2048)  # a short prefill chunk's rows, and a default full one
 MKL_ROWS = (1024, 512, 256, 128, 64)  # F.linear (MKL) rather than oneDNN from one of these on
 SHAPES_ELEMENTS = 1 << 22  # a model's layer shapes at most this many weights together (16 MiB)
 WIDEN_ROWS = (512, 256, 128, 64)  # bf16 gemms widened to float32 from one of these rows on
@@ -326,19 +328,21 @@ def measure(kernel, dtype: torch.dtype, gemm: Gemm, stop_on_noise: bool = True,
 
 def measure_gemm(first: Gemm, second: Gemm, stop_on_noise: bool = True,
                  shapes: Sequence[tuple[int, int]] = ()) -> Measured:
-    """1 where `first` is not slower than `second` on GEMM_ROWS rows times weights of `shapes`
-    (each call times all of them) or CALIBRATION_SHAPE, else 0."""
+    """1 where `first` is not slower than `second` at every row count of GEMM_ROWS times
+    weights of `shapes` (each call times all of them) or CALIBRATION_SHAPE, else 0."""
     if (noise := Watch.probe(torch.get_num_threads())) and stop_on_noise:
         return Measured(None, noise)
-    ws, (x,) = _operands(torch.float32, (GEMM_ROWS,), shapes)
-    fa, fb = _on_all(first, ws, x), _on_all(second, ws, x)
-    fa(), fb()  # settles their own choices before the watch starts
-    watch = Watch(torch.get_num_threads())
-    (a, b), noise2 = race([fa, fb], watch if stop_on_noise else None)
-    noise = noise or noise2 or watch.noise()
-    if noise and stop_on_noise:
-        return Measured(None, noise)
-    return Measured(int(a <= b), noise)
+    ws, xs = _operands(torch.float32, GEMM_ROWS, shapes)
+    _on_all(first, ws, xs[0])(), _on_all(second, ws, xs[0])()  # settles their own choices
+    watch, wins = Watch(torch.get_num_threads()), True
+    for x in xs:
+        (a, b), noise2 = race([_on_all(first, ws, x), _on_all(second, ws, x)],
+                              watch if stop_on_noise else None)
+        noise = noise or noise2 or watch.noise()
+        if noise and stop_on_noise:
+            return Measured(None, noise)
+        wins = wins and a <= b
+    return Measured(int(wins), noise)
 
 
 def scaled_shapes(shapes: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -176,6 +176,24 @@ def test_the_float32_gemm_is_the_one_measured_faster(monkeypatch):
     assert calibrate.measure_gemm(slow, F.linear, stop_on_noise=False).value == 0
 
 
+def test_the_float32_gemm_must_win_at_every_row_count(monkeypatch):
+    # A Zen 5 EPYC's compiled sgemm at 2 threads won at 256 rows and lost 1.6-1.9x from 2048:
+    # a gemm faster on a short chunk only is not chosen.
+    monkeypatch.setattr(calibrate, "CALIBRATION_SHAPE", (256, 128))
+    assert calibrate.GEMM_ROWS[0] <= 256 < calibrate.GEMM_ROWS[-1]
+
+    def short_only(x, w):
+        for _ in range(1 if x.shape[0] <= 256 else 4):
+            F.linear(x, w)
+
+    def twice(x, w):
+        for _ in range(2):
+            F.linear(x, w)
+
+    assert calibrate.measure_gemm(short_only, twice, stop_on_noise=False).value == 0
+    assert calibrate.measure_gemm(F.linear, twice, stop_on_noise=False).value == 1
+
+
 @pytest.mark.parametrize("onednn_wins", [True, False])
 def test_large_linear_follows_the_measured_choice(monkeypatch, onednn_wins):
     calls = []
