@@ -470,25 +470,35 @@ def _shapes_tail(shapes: Sequence[tuple[int, int]]) -> str:
     return ":" + ",".join(f"{o}x{i}" for o, i in shapes) if shapes else ""
 
 
+def _path(isa: str) -> str:
+    """The kernels' path and the gemm libraries' caps where set: a choice measured against
+    oneDNN or MKL on AVX-512 says nothing of them capped to AVX2 (a bf16 widen choice measured
+    with PDSERVE_ISA=avx2 alone, oneDNN's bf16 on AVX-512 ahead, kept the capped run's bf16
+    prefill on oneDNN's AVX2 reference path at 0.26x the widened gemm)."""
+    caps = [f"{v}={os.environ[v]}" for v in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+            if os.environ.get(v)]
+    return isa + "".join(f"+{c}" for c in caps)
+
+
 def threshold_key(dtype: torch.dtype, threads: int, isa: str,
                   shapes: Sequence[tuple[int, int]] = ()) -> str:
     # ":gemm2": measured against large_linear (keys without it were against F.linear)
-    return f"{str(dtype).removeprefix('torch.')}:{threads}:{isa}:gemm2{_shapes_tail(shapes)}"
+    return f"{str(dtype).removeprefix('torch.')}:{threads}:{_path(isa)}:gemm2{_shapes_tail(shapes)}"
 
 
 def gemm_key(threads: int, isa: str, shapes: Sequence[tuple[int, int]] = ()) -> str:
     # ":mkl_from": the rows from which MKL runs (keys "float32:<threads>:onednn" held one
     # choice for every row count and path; a path limits oneDNN's and MKL's ISA with it)
-    return f"float32:{threads}:{isa}:mkl_from{_shapes_tail(shapes)}"
+    return f"float32:{threads}:{_path(isa)}:mkl_from{_shapes_tail(shapes)}"
 
 
 def sgemm_key(threads: int, isa: str, shapes: Sequence[tuple[int, int]] = ()) -> str:
-    return f"float32:{threads}:{isa}:sgemm{_shapes_tail(shapes)}"
+    return f"float32:{threads}:{_path(isa)}:sgemm{_shapes_tail(shapes)}"
 
 
 def widen_key(threads: int, isa: str) -> str:
-    return f"bfloat16:{threads}:{isa}:widen"
+    return f"bfloat16:{threads}:{_path(isa)}:widen"
 
 
 def attention_key(threads: int, isa: str) -> str:
-    return f"bfloat16:{threads}:{isa}:attn_pairs"
+    return f"bfloat16:{threads}:{_path(isa)}:attn_pairs"

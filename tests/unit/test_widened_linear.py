@@ -147,5 +147,11 @@ def test_the_skinny_threshold_is_measured_on_the_shapes_given(monkeypatch):
 
     calibrate.measure(Kernel(), torch.float32, gemm, stop_on_noise=False, shapes=shapes)
     assert seen == {(who, i, (o, i)) for who in ("kernel", "gemm") for o, i in shapes}
+    for cap in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        monkeypatch.delenv(cap, raising=False)
     assert calibrate.threshold_key(torch.float32, 2, "avx2", shapes) == \
         "float32:2:avx2:gemm2:96x32,32x32,256x32,32x128"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # the capped library's choices apart
+    assert calibrate.threshold_key(torch.float32, 2, "avx2", shapes) == \
+        "float32:2:avx2+ONEDNN_MAX_CPU_ISA=AVX2:gemm2:96x32,32x32,256x32,32x128"
+    assert calibrate.widen_key(1, "avx2") == "bfloat16:1:avx2+ONEDNN_MAX_CPU_ISA=AVX2:widen"
