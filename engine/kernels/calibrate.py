@@ -329,20 +329,11 @@ def measure(kernel, dtype: torch.dtype, gemm: Gemm, stop_on_noise: bool = True,
 def measure_gemm(first: Gemm, second: Gemm, stop_on_noise: bool = True,
                  shapes: Sequence[tuple[int, int]] = ()) -> Measured:
     """1 where `first` is not slower than `second` at every row count of GEMM_ROWS times
-    weights of `shapes` (each call times all of them) or CALIBRATION_SHAPE, else 0."""
-    if (noise := Watch.probe(torch.get_num_threads())) and stop_on_noise:
-        return Measured(None, noise)
-    ws, xs = _operands(torch.float32, GEMM_ROWS, shapes)
-    _on_all(first, ws, xs[0])(), _on_all(second, ws, xs[0])()  # settles their own choices
-    watch, wins = Watch(torch.get_num_threads()), True
-    for x in xs:
-        (a, b), noise2 = race([_on_all(first, ws, x), _on_all(second, ws, x)],
-                              watch if stop_on_noise else None)
-        noise = noise or noise2 or watch.noise()
-        if noise and stop_on_noise:
-            return Measured(None, noise)
-        wins = wins and a <= b
-    return Measured(int(wins), noise)
+    weights of `shapes` (each call times all of them) or CALIBRATION_SHAPE, else 0
+    (`measure_from` down to the fewest rows)."""
+    rows = sorted(GEMM_ROWS, reverse=True)
+    got = measure_from(first, second, torch.float32, stop_on_noise, rows, shapes)
+    return got if got.value is None else Measured(int(got.value == rows[-1]), got.noise)
 
 
 def scaled_shapes(shapes: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:

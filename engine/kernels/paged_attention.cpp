@@ -187,7 +187,7 @@ class Decoder {
       std::fill(acc_.begin(), acc_.end(), 0.f);
       for (int64_t j = item.j0; j < item.j1; ++j) {
         Ahead ahead;  // one chunk during the scores, the next during the weighted sum
-        const T* k1 = next_chunk();
+        const T* k1 = next_chunk();  // the two in this order
         ahead.start(k1, next_chunk(), bytes, score_steps_, heads_);
         block(qs[it], kchunk(item.b, j), std::min(bs_, n - j * bs_), ahead);
         ahead.finish();
