@@ -37,21 +37,35 @@ class ServerProcess:
         once its engine is up) before each GET /health, so a fine poll costs the caller no
         CPU; a test suite pays the poll's mean latency once per server start."""
         deadline = time.monotonic() + timeout
+        last = "nothing listens on the port"  # what the last poll saw, for the failure
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server on port {self.port} exited with "
                                    f"{self.process.returncode} during start-up{self._tail()}")
             if self._listening():
                 try:
-                    if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    r = httpx.get(self.url + "/health", timeout=2.0)
+                    if r.status_code == 200:
                         return
-                except httpx.HTTPError:
-                    pass
+                    last = f"GET /health answered {r.status_code}: {r.text[:300]!r}"
+                except httpx.HTTPError as exc:
+                    last = f"GET /health failed: {type(exc).__name__}: {exc}"
             time.sleep(0.05)
         self.dump_stacks()
         self.stop()
-        raise TimeoutError(f"server on port {self.port} not healthy after {timeout}s"
+        raise TimeoutError(f"server on port {self.port} not healthy after {timeout}s ({last}; "
+                           f"listening there: {self._listeners()})"
                            f"{self._tail(16000)}")
+
+    def _listeners(self) -> str:
+        """The processes (pid and command) that listen on the server's port."""
+        try:
+            pids = {c.pid for c in psutil.net_connections("tcp")
+                    if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == self.port}
+            return ", ".join(f"{pid} {' '.join(psutil.Process(pid).cmdline())[:120]}"
+                             for pid in sorted(p for p in pids if p)) or "none"
+        except (psutil.Error, OSError) as exc:
+            return f"unknown ({exc})"
 
     def _listening(self) -> bool:
         try:
