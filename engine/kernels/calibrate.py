@@ -51,12 +51,12 @@ rounds and each keeps its minimum; and the measurement is *noisy*, and never sto
 - another process is measuring (the store's lock is held).
 A look at the machine's runnable tasks (/proc/loadavg) comes first, so a loaded machine
 costs a few milliseconds, not a measurement; a noisy measurement stops at its first noisy
-step. The process then runs a safe default
-(DEFAULT_ROWS; the BLAS gemm F.linear) or the stored value it was checking, and measures
-again after RETRY_S (doubling up to RETRY_MAX_S), and every new process tries again at its
-first use. A stored value is measured again (quietly) at its first use after RECHECK_S, and
-at once where the store holds it without the time it was measured (an entry of the old
-store, measured without these checks): a stored choice seen wrong then is replaced.
+step. The process then runs a safe default (DEFAULT_ROWS; float32 gemms beyond them on
+oneDNN, never MKL: linear.py) or the stored value it was checking, and measures again after
+RETRY_S (doubling up to RETRY_MAX_S), and every new process tries again at its first use.
+A stored value is measured again (quietly) at its first use after RECHECK_S, and at once
+where the store holds it without the time it was measured (an entry of the old store,
+measured without these checks): a stored choice seen wrong then is replaced.
 
 The store is one JSON file beside the kernels' shared object (`<name>.thresholds.json`),
 key -> {"v": value, "at": unix time measured}; `python -m engine.kernels --recalibrate`

@@ -311,14 +311,29 @@ def _engine_table(args: argparse.Namespace, dtype: str, runs: dict[int, dict],
     return table
 
 
-def _recalibrate(threads: list[int]) -> None:
+RECALIBRATE_TRIES = 4
+
+
+def _recalibrate(threads: list[int], model: str) -> None:
+    """Measures the kernel choices again at each thread count on the model's layer shapes (the
+    keys its engines read; loading it sets them), up to RECALIBRATE_TRIES times while one is
+    noisy: a noisy choice is not stored, and the engine would run a default or an old value
+    (on a 2-vCPU KVM guest whose second vCPU is shared, 2-thread measurements were noisy in
+    about half the tries, and the defaults put batch-32 fp32 decode matmuls on a gemm 2.5x
+    slower than the measured choice)."""
     import torch
 
     from engine.kernels.linear import recalibrate
+    from engine.models.loader import load_model
 
+    load_model(model, "float32")  # sets the gemm shapes
     for t in threads:
         torch.set_num_threads(t)
-        print(f"skinny_linear thresholds, {t} thr: up to rows {recalibrate()}", flush=True)
+        for _ in range(RECALIBRATE_TRIES):
+            got = recalibrate()
+            print(f"kernel choices, {t} thr: {got}", flush=True)
+            if None not in got.values():
+                break
 
 
 def _print(dtype: str, table: dict[int, dict], limits: dict[str, Any]) -> None:
@@ -340,7 +355,7 @@ def _print(dtype: str, table: dict[int, dict], limits: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     threads = [int(t) for t in args.threads.split(",")]
     if args.recalibrate:
-        _recalibrate(threads)
+        _recalibrate(threads, args.model)
     limits = machine_limits(threads, args.repeats, args.buffer_mib, args.fma_iters)
     # bf16 on every CPU with a vector path: without AVX512-BF16 the kernels widen bf16 to fp32
     dtypes = ["float32"] + ([] if args.skip_bf16 else ["bfloat16"])

@@ -105,7 +105,7 @@ def test_a_measurement_under_load_is_not_stored_and_the_process_runs_a_default(
     assert out and all(v is None for v in out.values()), out
     assert _stored(store) == {}
     assert linear_mod.skinny_rows(torch.float32) == calibrate.DEFAULT_ROWS
-    assert not linear_mod.onednn_sgemm(256, 1)  # the BLAS gemm F.linear meanwhile
+    assert linear_mod.onednn_sgemm(256, 1)  # oneDNN's matmul meanwhile
     assert _stored(store) == {}
     value, retry_at, _ = linear_mod._thresholds.pending[(torch.float32, 1, store_isa(),
                                                          linear_mod._gemm_shapes)]
