@@ -165,6 +165,30 @@ def test_quiet_measurements_are_stored_per_dtype_threads_and_path(store, gates_o
     assert linear_mod.skinny_rows(torch.float16) == 0
 
 
+def test_the_sgemm_is_not_measured_against_a_default_blas_choice(store, gates_open,
+                                                                 monkeypatch):
+    """The compiled sgemm races `blas_linear`, whose own choice (MKL or oneDNN from some rows)
+    is measured too: while that one is noisy (a default), the sgemm's answer is not stored (it
+    had stored "sgemm" against a default MKL that the measured oneDNN beats 2.2x)."""
+    if linear_mod.sgemm_kernel() is None or not linear_mod.ONEDNN:
+        pytest.skip("no compiled sgemm or no oneDNN on this machine: nothing to race")
+    monkeypatch.setattr(calibrate, "CALIBRATION_SHAPE", (512, 256))
+    monkeypatch.setattr(calibrate, "GEMM_ROWS", (64,))
+    monkeypatch.setattr(calibrate, "MKL_ROWS", (128, 64))
+    args = (1, store_isa(), linear_mod._gemm_shapes)
+    measure_blas = linear_mod._mkl_from.measure_of
+    monkeypatch.setattr(linear_mod._mkl_from, "measure_of",
+                        lambda *a: calibrate.Measured(None, "made noisy by the test"))
+    assert linear_mod._sgemm(*args) == 0  # the default
+    assert "not measured yet" in linear_mod._sgemm.noise[args]
+    assert _stored(store) == {}
+    monkeypatch.setattr(linear_mod._mkl_from, "measure_of", measure_blas)  # quiet again
+    value = _settle(linear_mod._sgemm, lambda: linear_mod._sgemm(*args))
+    assert value in (0, 1)
+    table = _stored(store)
+    assert calibrate.sgemm_key(*args) in table and calibrate.gemm_key(*args) in table
+
+
 def test_bf16_attention_layout_is_measured_stored_and_read_back(store, gates_open):
     """bf16 prefill attention on vdpbf16ps pairs or on float32 tiles: measured on the
     avx512_bf16 path (the only one with pairs) and stored under its key; a stored choice then
