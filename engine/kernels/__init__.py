@@ -51,9 +51,21 @@ _SOURCES = [Path(__file__).with_name(n)
                       "rms_norm.cpp", "silu_mul.cpp", "skinny_linear.cpp", "roofline.cpp",
                       "sgemm.cpp", "decode_stack.cpp", "argmax.cpp")]
 _HEADERS = [Path(__file__).with_name(n) for n in ("isa.h", "simd.h")]
+
+
+def _vendor_flags() -> list[str]:
+    """-DPDSERVE_AMD_CPU on an AMD CPU (isa.h: how data read once is prefetched)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            amd = any(ln.startswith("vendor_id") and "AuthenticAMD" in ln for ln in f)
+    except OSError:
+        amd = False
+    return ["-DPDSERVE_AMD_CPU"] if amd else []
+
+
 # -fopenmp: at::parallel_for is inlined into the kernel and parallel only with OpenMP on; the
 # extension then shares torch's own libgomp.so.1 (the loader finds it already loaded).
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", *_vendor_flags()]
 
 
 def _cpu_id() -> str:

@@ -98,7 +98,7 @@ inline typename P::V dots2(const float* q, const T* k, int64_t ld, int64_t dim) 
 // Prefetches two ranges of `bytes`, one after the other, a few lines per step(): start()
 // spreads the first range's lines over `steps1` steps and the second's over the `steps2`
 // after them; finish() asks for whatever is left. Hint T0 (every level): a line is read
-// within a chunk or two of its prefetch (NTA's placement differs most between vendors).
+// within a chunk or two of its prefetch; NTA on AMD CPUs (kAmdCpu, isa.h).
 class Ahead {
  public:
   void start(const void* first, const void* second, int64_t bytes, int64_t steps1,
@@ -112,7 +112,10 @@ class Ahead {
   }
   void step() {
     const char* stop = std::min(p_ + per_, end_);
-    for (; p_ < stop; p_ += 64) __builtin_prefetch(p_, 0, 3);
+    if constexpr (kAmdCpu)  // isa.h
+      for (; p_ < stop; p_ += 64) __builtin_prefetch(p_, 0, 0);
+    else
+      for (; p_ < stop; p_ += 64) __builtin_prefetch(p_, 0, 3);
     if (p_ >= end_ && next_ != nullptr) {
       p_ = next_;
       end_ = next_ + bytes_;
