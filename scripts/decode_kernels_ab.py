@@ -1,8 +1,8 @@
 """A/B of two builds of the compiled kernels in one process, interleaved: paged_decode at
 batch 1/8/32 x 1024 context (bench-llama's attention shapes, blocks in random order, the
-cache on huge pages as the engine allocates it),
-skinny_linear on bench-llama's weights and prefill_attention over 1024 fresh tokens (8 layers
-of bench-llama's heads), fp32 and bf16; best of 3 x 9 runs each, thread CPU time at 1 thread
+cache on huge pages as the engine allocates it), skinny_linear on bench-llama's weights (on
+huge pages too, as the engine's) and prefill_attention over 1024 fresh tokens (8 layers of
+bench-llama's heads), fp32 and bf16; best of 3 x 9 runs each, thread CPU time at 1 thread
 (a loaded machine's run-queue waits left out), wall time at more.
 
 usage: python scripts/decode_kernels_ab.py OLD_HASH NEW_HASH THREADS paged,skinny,prefill [ISA]
@@ -56,10 +56,17 @@ def ab(label: str, nbytes: float, fa, fb, clock, extra: str = "", unit: str = "G
           f"new/old {ta / tb:.3f} {extra}", flush=True)
 
 
+def _huge(w: torch.Tensor) -> torch.Tensor:
+    """w copied onto huge pages, as the engine holds its weights (on 4 KiB pages a streamed
+    weight costs a TLB walk every 4 KiB)."""
+    out = alloc_kv_cache(tuple(w.shape), w.dtype)
+    return out.copy_(w)
+
+
 def skinny(a, b, dt, clock) -> None:
     copies = int(os.environ.get("AB_WEIGHT_COPIES", "1"))
-    ws = [torch.randn(o, i).to(dt) for _ in range(8 * copies) for o, i in SHAPES]
-    ws.append(torch.randn(8192, 512).to(dt))
+    ws = [_huge(torch.randn(o, i).to(dt)) for _ in range(8 * copies) for o, i in SHAPES]
+    ws.append(_huge(torch.randn(8192, 512).to(dt)))
     nbytes = sum(w.numel() * w.element_size() for w in ws)
     for m in (1, 2, 3, 4, 8, 32):
         xs = {i: torch.randn(m, i).to(dt) for i in (512, 1408)}
