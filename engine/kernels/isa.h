@@ -24,11 +24,11 @@ constexpr Isa kBestIsa =
 Isa current_isa();  // defined in ops.cpp
 
 // Whether this CPU is AMD's: data a decode step reads once (the KV cache, the weights) is
-// prefetched with NTA there. On a Zen 5 EPYC paged_decode read 1.07-1.11x the KV a second
-// against T0 at batch 32 x 1024 (1 thread; bf16 1.23x at 2), and the float32 skinny kernel
-// 1.05-1.17x the weights against T1 at 2-8 rows (scripts/decode_kernels_ab.py): lines read
-// once are not written back into its L3, a victim cache, on their way out. Intel CPUs keep
-// the hints measured on them (NTA's placement differs most between vendors).
+// prefetched with NTA there. On a Zen 5 EPYC paged_decode read 1.10x (fp32) and 1.14x (bf16)
+// the KV a second against T0 at batch 32 x 1024, and the float32 skinny kernel 1.11-1.29x the
+// weights against T1 at 2-8 rows (1 thread; 1.0-1.07x at 2; scripts/decode_kernels_ab.py):
+// lines read once are not written back into its L3, a victim cache, on their way out. Intel
+// CPUs keep the hints measured on them (NTA's placement differs most between vendors).
 // PDSERVE_AMD_CPU: set by the build (engine/kernels/__init__.py reads /proc/cpuinfo; each
 // machine builds its own -march=native copy). A compile-time choice: a run-time flag tested in
 // the skinny kernel's inner loop cost it 25-33 % at 2-8 rows.

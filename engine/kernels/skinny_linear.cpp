@@ -120,8 +120,8 @@ constexpr int64_t kPrefetchBytes<Avx512Bf16> = 4096;
 // 2-8 rows of x at 1 thread, 1.03-1.06x at 3-8 rows at 2; prefetching 2 or 4 tiles ahead
 // instead of 1 gained nothing more. bf16 (vdpbf16ps, half the FMA rate there) read
 // 0.95-1.02x into L2: it stays in L1.
-// On AMD CPUs float32 asks with NTA instead (kAmdCpu, isa.h: 1.05-1.17x at 2-8 rows of x on a
-// Zen 5 EPYC, 1 and 2 threads, against T1; bf16 0.94-1.06x, so it keeps T0).
+// On AMD CPUs float32 asks with NTA instead (kAmdCpu, isa.h: on a Zen 5 EPYC 1.11-1.29x at 2-8
+// rows of x at 1 thread, 1.04-1.07x at 2, against T1; bf16 0.94-1.06x, so it keeps T0).
 template <typename T>
 inline void prefetch_share(const char* next, int64_t offset, int64_t bytes) {
   if constexpr (std::is_same_v<T, float> && kAmdCpu) {
