@@ -112,10 +112,8 @@ class Ahead {
   }
   void step() {
     const char* stop = std::min(p_ + per_, end_);
-    if constexpr (kAmdCpu)  // isa.h
-      for (; p_ < stop; p_ += 64) __builtin_prefetch(p_, 0, 0);
-    else
-      for (; p_ < stop; p_ += 64) __builtin_prefetch(p_, 0, 3);
+    constexpr int kLocality = kAmdCpu ? 0 : 3;  // NTA on AMD (isa.h), else T0
+    for (; p_ < stop; p_ += 64) __builtin_prefetch(p_, 0, kLocality);
     if (p_ >= end_ && next_ != nullptr) {
       p_ = next_;
       end_ = next_ + bytes_;

@@ -1,10 +1,10 @@
 """Streams that survive a dead D (issue 30 part 4): real engines, real NIXL push, a real
 SIGKILL. 1P2D behind one proxy; 8 concurrent streamed greedy requests (6 completions, 2 chats
-whose client asks for return_token_ids itself); the D serving some of them is SIGKILLed once
-every stream has tokens. Every stream completes without an error, each equal (text and usage)
-to the colocated answer; the migrations are counted; the surviving engines hold no block and
-no table entry afterwards. With --retries 0 (no migration: the old relay) streams end with a
-decode_failed error event."""
+whose client asks for return_token_ids itself); once every stream has tokens, a D still
+decoding some of them is SIGKILLed. Every stream completes without an error, each equal (text
+and usage) to the colocated answer; the migrations are counted; the surviving engines hold no
+block and no table entry afterwards. With --retries 0 (no migration: the old relay) streams
+end with a decode_failed error event."""
 
 from __future__ import annotations
 
