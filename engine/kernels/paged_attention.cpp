@@ -12,11 +12,13 @@
 // bf16 rows two heads of a group share each vector's load and widening, kPairs), and
 // folded into a running softmax per head (max m, sum l, the weighted sum rescaled by
 // e^(m_old - m_new) when the max grows). The memory is asked for kLeadBytes ahead of the
-// work, a few lines per step of it, in the order the work reads it: the run's K and V chunks
-// one after the other, into the next sequence at a sequence's end (Ahead). So it streams at
-// the rate the work consumes it: the hardware prefetcher does not follow the per-head column
-// order a chunk is read in (nor cross its 4 KiB pages), and a burst of prefetches stalls on
-// the core's miss buffers.
+// work, a line or a few per step of it (a vector of a score's dot product, a row of the
+// weighted sum), in the order the work reads it: the run's K and V chunks one after the
+// other, into the next sequence at a sequence's end (Ahead). So it streams at the rate the
+// work consumes it: the hardware prefetcher does not follow the per-head column order a chunk
+// is read in (nor cross its 4 KiB pages), and a burst of prefetches stalls on the core's miss
+// buffers (asked for once a head instead, 32 lines at a time, fp32 read 0.88-0.90x and bf16
+// 0.89-0.95x the KV a second on a Zen 5 EPYC at 1 thread, batch 8-32 x 1024).
 //
 // Work items are runs of at most kPartPositions context positions of one sequence: a longer
 // context is cut into several (computed apart, then combined), so one long sequence (batch 1)
@@ -48,7 +50,65 @@ constexpr int64_t kPartPositions = 512;  // context positions per work item at m
 // 0.49-0.54 of a streaming read to 0.67-0.78 and bf16 from 0.49-0.67 to 0.58-0.83; 8 KiB
 // (bf16: one chunk) or 32 KiB (fp32: two) were slower by 4-22 %. Distances from 32 KiB up
 // let lines be evicted again before their turn came (the old two whole blocks, 64 KiB).
-constexpr int64_t kLeadBytes = 16 << 10;
+// With the prefetches spread over every step of the work (Ahead below), bf16 gained from a
+// third chunk (24 KiB: 1.06-1.12x against 16 KiB at 1 thread) and fp32 lost 20 % from a
+// second one (32 KiB).
+template <typename T>
+constexpr int64_t kLeadBytes = std::is_same_v<T, bf16> ? 24 << 10 : 16 << 10;
+
+// Prefetches two ranges of `bytes`, one after the other, a few lines per step(): start()
+// spreads the first range's lines over `steps1` steps; second() asks for whatever the first
+// has left and spreads the second's lines over `steps2` steps; finish() asks for whatever is
+// left (a block shorter than bs takes fewer steps). Hint T0 (every level): a line is read
+// within a chunk or two of its prefetch; NTA on AMD CPUs (kAmdCpu, isa.h).
+// step() runs in the kernel's innermost loops, so it does no more than its lines: the switch
+// to the second range is the caller's (second(), between a block's scores and its softmax).
+// With that switch tested in every step, the AVX2 path read 0.59-0.93x the KV a second of
+// prefetching once a head, and AVX-512 over KV in L2 0.80-0.85x (Zen 5 EPYC). The loops that
+// step it (dots, dots2, weigh_v) take it by a pointer that may be null (no prefetching) and
+// are always inlined into the block's loop: left to itself, GCC called them out of line
+// after unrelated one-line changes, and fp32 at batch 8-32 then read 0.85-0.92x the KV a
+// second, bf16 at batch 1 0.87x.
+class Ahead {
+ public:
+  void start(const void* first, const void* second, int64_t bytes, int64_t steps1,
+             int64_t steps2) {
+    next_ = static_cast<const char*>(second);
+    bytes_ = bytes;
+    per2_ = per(steps2);
+    set(static_cast<const char*>(first), per(steps1));
+  }
+  void second() {
+    finish();
+    set(next_, per2_);
+    next_ = nullptr;
+  }
+  void step() {
+    const char* stop = std::min(p_ + per_, end_);
+    for (; p_ < stop; p_ += 64) __builtin_prefetch(p_, 0, kLocality);
+  }
+  void finish() {
+    for (; p_ < end_; p_ += 64) __builtin_prefetch(p_, 0, kLocality);
+  }
+
+ private:
+  static constexpr int kLocality = kAmdCpu ? 0 : 3;  // NTA on AMD (isa.h), else T0
+
+  void set(const char* p, int64_t per) {
+    p_ = p;
+    end_ = p == nullptr ? p : p + bytes_;
+    per_ = p == nullptr ? 0 : per;
+  }
+  int64_t per(int64_t steps) const {  // bytes a step of `steps` asks for
+    steps = std::max<int64_t>(steps, 1);
+    return 64 * (((bytes_ + 63) / 64 + steps - 1) / steps);
+  }
+
+  const char* p_ = nullptr;
+  const char* end_ = nullptr;
+  const char* next_ = nullptr;
+  int64_t per_ = 0, per2_ = 0, bytes_ = 0;
+};
 
 // <q, k> over dim values, vector-wide on path P (simd.h), the remainder one by one.
 template <typename P, typename T>
@@ -63,12 +123,15 @@ inline float dot(const float* q, const T* k, int64_t dim) {
 }
 
 // <q, k_i> for the kStep rows k_i = k + i * ld, as one vector (lane i); dim % kStep == 0.
-// The kStep accumulators are summed together at the end (P::hsums), not one by one.
+// The kStep accumulators are summed together at the end (P::hsums), not one by one. One
+// ahead.step() a vector of dim.
 template <typename P, typename T>
-inline typename P::V dots(const float* q, const T* k, int64_t ld, int64_t dim) {
+[[gnu::always_inline]] inline typename P::V dots(const float* q, const T* k, int64_t ld,
+                                                  int64_t dim, Ahead* ahead) {
   typename P::V acc[P::kStep];
   for (int i = 0; i < P::kStep; ++i) acc[i] = P::zero();
   for (int64_t d = 0; d < dim; d += P::kStep) {
+    if (ahead != nullptr) ahead->step();
     const auto qv = P::load(q + d);
     for (int i = 0; i < P::kStep; ++i)
       acc[i] = P::template madd<T>(acc[i], qv, P::load(k + i * ld + d));
@@ -78,13 +141,16 @@ inline typename P::V dots(const float* q, const T* k, int64_t ld, int64_t dim) {
 
 // dots for two query heads q and q + dim over kStep / 2 rows: lane i < kStep / 2 is <q, k_i>,
 // lane kStep / 2 + i is <q + dim, k_i> (each lane's sum in the order dots sums it, so the same
-// bits); each K vector is loaded once for both. kStep >= 2, dim % kStep == 0.
+// bits); each K vector is loaded once for both. kStep >= 2, dim % kStep == 0. One
+// ahead.step() a vector of dim.
 template <typename P, typename T>
-inline typename P::V dots2(const float* q, const T* k, int64_t ld, int64_t dim) {
+[[gnu::always_inline]] inline typename P::V dots2(const float* q, const T* k, int64_t ld,
+                                                   int64_t dim, Ahead* ahead) {
   constexpr int H = P::kStep / 2;
   typename P::V acc[P::kStep];
   for (int i = 0; i < P::kStep; ++i) acc[i] = P::zero();
   for (int64_t d = 0; d < dim; d += P::kStep) {
+    if (ahead != nullptr) ahead->step();
     const auto qa = P::load(q + d), qb = P::load(q + dim + d);
     for (int i = 0; i < H; ++i) {
       const auto kv = P::load(k + i * ld + d);
@@ -94,49 +160,6 @@ inline typename P::V dots2(const float* q, const T* k, int64_t ld, int64_t dim) 
   }
   return P::hsums(acc);
 }
-
-// Prefetches two ranges of `bytes`, one after the other, a few lines per step(): start()
-// spreads the first range's lines over `steps1` steps and the second's over the `steps2`
-// after them; finish() asks for whatever is left. Hint T0 (every level): a line is read
-// within a chunk or two of its prefetch; NTA on AMD CPUs (kAmdCpu, isa.h).
-class Ahead {
- public:
-  void start(const void* first, const void* second, int64_t bytes, int64_t steps1,
-             int64_t steps2) {
-    next_ = static_cast<const char*>(second);
-    bytes_ = bytes;
-    per2_ = per(steps2);
-    p_ = static_cast<const char*>(first);
-    end_ = first == nullptr ? p_ : p_ + bytes;
-    per_ = per(steps1);
-  }
-  void step() {
-    const char* stop = std::min(p_ + per_, end_);
-    constexpr int kLocality = kAmdCpu ? 0 : 3;  // NTA on AMD (isa.h), else T0
-    for (; p_ < stop; p_ += 64) __builtin_prefetch(p_, 0, kLocality);
-    if (p_ >= end_ && next_ != nullptr) {
-      p_ = next_;
-      end_ = next_ + bytes_;
-      per_ = per2_;
-      next_ = nullptr;
-    }
-  }
-  void finish() {
-    do step();
-    while (p_ < end_);
-  }
-
- private:
-  const char* p_ = nullptr;
-  const char* end_ = nullptr;
-  const char* next_ = nullptr;
-  int64_t per(int64_t steps) const {  // bytes a step of `steps` asks for
-    steps = std::max<int64_t>(steps, 1);
-    return 64 * (((bytes_ + 63) / 64 + steps - 1) / steps);
-  }
-
-  int64_t per_ = 0, per2_ = 0, bytes_ = 0;
-};
 
 // One work item: blocks [j0, j1) of sequence b.
 struct Item {
@@ -153,8 +176,8 @@ class Decoder {
       : chunks_(chunks), table_(table), max_blocks_(max_blocks), layer_(layer), bs_(bs),
         kv_heads_(kv_heads), group_(group), dim_(dim), heads_(kv_heads * group),
         row_(kv_heads * dim), chunk_(bs * kv_heads * dim), scale_(scale),
-        score_steps_((bs + P::kStep - 1) / P::kStep * heads_), s_(heads_ * bs), m_(heads_),
-        l_(heads_), acc_(heads_ * dim) {}
+        s_(heads_ * bs), m_(heads_), l_(heads_), acc_(heads_ * dim),
+        score_steps_(score_steps()), v_steps_(v_steps()) {}
 
   // Items [begin, end) of `items`; item i's normalized output goes to outs[i] ([heads, dim],
   // row stride ld) and, where ml is given, its m and l to ml[i * 2 * heads ...].
@@ -174,7 +197,7 @@ class Decoder {
       return p;
     };
     const int64_t bytes = chunk_ * static_cast<int64_t>(sizeof(T));
-    const int64_t lead = std::clamp<int64_t>((kLeadBytes + bytes - 1) / bytes, 1, 4);
+    const int64_t lead = std::clamp<int64_t>((kLeadBytes<T> + bytes - 1) / bytes, 1, 4);
     for (int64_t c = 0; c < lead; ++c) {  // the run's first chunks: nothing to hide behind
       Ahead first;
       first.start(next_chunk(), nullptr, bytes, 1, 1);
@@ -189,7 +212,7 @@ class Decoder {
       for (int64_t j = item.j0; j < item.j1; ++j) {
         Ahead ahead;  // one chunk during the scores, the next during the weighted sum
         const T* k1 = next_chunk();  // the two in this order
-        ahead.start(k1, next_chunk(), bytes, score_steps_, heads_);
+        ahead.start(k1, next_chunk(), bytes, score_steps_, v_steps_);
         block(qs[it], kchunk(item.b, j), std::min(bs_, n - j * bs_), ahead);
         ahead.finish();
       }
@@ -232,24 +255,22 @@ class Decoder {
             for (int64_t half = 0; half < 2; ++half) {  // kStep / 2 rows of both heads
               alignas(64) float both[P::kStep];
               const T* rows = kr + half * kHalfStep * row_;
-              P::storef(both, P::mul(sv, dots2<P>(q + h * dim_, rows, row_, dim_)));
+              P::storef(both, P::mul(sv, dots2<P>(q + h * dim_, rows, row_, dim_, &ahead)));
               std::copy(both, both + kHalfStep, sh + half * kHalfStep);
               std::copy(both + kHalfStep, both + P::kStep, sh + bs_ + half * kHalfStep);
             }
-            ahead.step();
-            ahead.step();
           }
         for (; g < group_; ++g, ++h) {
           const float* qh = q + h * dim_;
           float* sh = s + h * bs_;
           if (wide && i0 + P::kStep <= len)
-            P::storef(sh + i0, P::mul(sv, dots<P>(qh, kr, row_, dim_)));
+            P::storef(sh + i0, P::mul(sv, dots<P>(qh, kr, row_, dim_, &ahead)));
           else
             for (int64_t i = i0; i < std::min(len, i0 + P::kStep); ++i)
               sh[i] = dot<P>(qh, kr + (i - i0) * row_, dim_) * scale_;
-          ahead.step();
         }
       }
+    ahead.second();
     // Running softmax: s[h, :] becomes e^(s - m_new); acc and l are rescaled when m grows.
     for (int64_t h = 0; h < heads_; ++h) {
       float* sh = s + h * bs_;
@@ -282,30 +303,28 @@ class Decoder {
     for (int64_t kh = 0, h = 0; kh < kv_heads_; ++kh) {
       const T* vh = v + kh * dim_;
       int64_t g = 0;
-      for (; kPairs && g + 2 <= group_; g += 2, h += 2) {
-        weigh_v<2>(s + h * bs_, acc_.data() + h * dim_, vh, len);
-        ahead.step();
-        ahead.step();
-      }
-      for (; g < group_; ++g, ++h) {
-        weigh_v<1>(s + h * bs_, acc_.data() + h * dim_, vh, len);
-        ahead.step();
-      }
+      for (; kPairs && g + 2 <= group_; g += 2, h += 2)
+        weigh_v<2>(s + h * bs_, acc_.data() + h * dim_, vh, len, &ahead);
+      for (; g < group_; ++g, ++h)
+        weigh_v<1>(s + h * bs_, acc_.data() + h * dim_, vh, len, &ahead);
     }
   }
 
   // o[n * dim + :] += sum_i p[n * bs + i] * v_i for the G heads n < G sharing the kv head of
   // rows v (stride row_): C vectors of head_dim per head in registers, each V vector loaded
-  // once for the G heads. Each head's sums run in the same order whatever G is.
+  // once for the G heads. Each head's sums run in the same order whatever G is. One
+  // ahead.step() a row of each pass over the rows (v_steps counts them).
   template <int G>
-  void weigh_v(const float* p, float* o, const T* v, int64_t len) {
-    constexpr int C = 4;
+  [[gnu::always_inline]] void weigh_v(const float* p, float* o, const T* v, int64_t len,
+                                      Ahead* ahead) {
+    constexpr int C = kWeighVectors;
     int64_t d = 0;
     for (; d + C * P::kStep <= dim_; d += C * P::kStep) {
       typename P::V a[G][C];
       for (int n = 0; n < G; ++n)
         for (int c = 0; c < C; ++c) a[n][c] = P::loadf(o + n * dim_ + d + c * P::kStep);
       for (int64_t i = 0; i < len; ++i) {
+        if (ahead != nullptr) ahead->step();
         typename P::V pv[G];
         for (int n = 0; n < G; ++n) pv[n] = P::set1(p[n * bs_ + i]);
         for (int c = 0; c < C; ++c) {
@@ -321,10 +340,12 @@ class Decoder {
       float* on = o + n * dim_;
       int64_t e = d;
       for (; e + P::kStep <= dim_; e += P::kStep) {
-        auto a = P::loadf(on + e);
-        for (int64_t i = 0; i < len; ++i)
-          a = P::template madd<T>(a, P::set1(pn[i]), P::load(v + i * row_ + e));
-        P::storef(on + e, a);
+        auto acc = P::loadf(on + e);
+        for (int64_t i = 0; i < len; ++i) {
+          if (ahead != nullptr) ahead->step();
+          acc = P::template madd<T>(acc, P::set1(pn[i]), P::load(v + i * row_ + e));
+        }
+        P::storef(on + e, acc);
       }
       for (; e < dim_; ++e)
         for (int64_t i = 0; i < len; ++i) on[e] += pn[i] * static_cast<float>(v[i * row_ + e]);
@@ -336,14 +357,29 @@ class Decoder {
   // batch 1-32 x 1024; fp32 0.93-0.98x: its loads are cheap and the pairs' stores are not).
   static constexpr bool kPairs = std::is_same_v<T, bf16> && P::kStep >= 2;
   static constexpr int64_t kHalfStep = P::kStep / 2;
+  static constexpr int kWeighVectors = 4;  // weigh_v's C
+
+  // The ahead.step() calls of a full block's scores (dots, dots2: one a vector of dim) and of
+  // its weighted sum (weigh_v: one a row of each pass).
+  int64_t score_steps() const {
+    const int64_t per_head = dim_ % P::kStep == 0 ? dim_ / P::kStep : 0;
+    return (bs_ / P::kStep) * heads_ * per_head;
+  }
+  int64_t v_steps() const {
+    constexpr int64_t wide = kWeighVectors * P::kStep;
+    const int64_t pairs = kPairs ? group_ / 2 : 0, singles = group_ - 2 * pairs;
+    const int64_t pass = dim_ / wide;  // passes of one weigh_v<G> call, besides its tail's
+    const int64_t tail = dim_ % wide / P::kStep;  // the tail's: one per head and vector
+    return kv_heads_ * bs_ * (pairs * (pass + 2 * tail) + singles * (pass + tail));
+  }
 
   const T* chunks_;
   const int64_t* table_;
   const int64_t* ctx_lens_ = nullptr;
   int64_t max_blocks_, layer_, bs_, kv_heads_, group_, dim_, heads_, row_, chunk_;
   float scale_;
-  int64_t score_steps_;  // ahead.step() calls in a block's scores (heads_ more in its sum)
   std::vector<float> s_, m_, l_, acc_;
+  int64_t score_steps_, v_steps_;  // ahead.step() calls of a block: score_steps(), v_steps()
 };
 
 // Decoder<P, T>::run on the best path current_isa() allows for T (float32 and bf16 caches
