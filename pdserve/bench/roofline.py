@@ -376,7 +376,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              for dt in dtypes}
     for dt, table in tables.items():
         _print(dt, table, limits)
-        roofline_batch.print_table(dt, batch[dt], limits)
+        roofline_batch.print_table(dt, batch[dt])
     fp32 = tables["float32"]
     for t, r in fp32.items():
         if max(r.get("prefill_fma_bound") or 0, r.get("mkl_fma_bound") or 0) > 1.0:

@@ -9,7 +9,11 @@ Then the longest-running requests beyond the next smaller B are aborted and the 
 measured for it (its sequences a few steps longer: the bytes count each one's own context).
 Bytes per step, each sequence b at context c_b (its prompt plus the tokens it has so far):
     batch decode bytes = e * (P + V*hidden) + e * 2*L*KV*D * sum_b c_b
-against the streaming read at the same thread count (`decode_bandwidth_fraction`).
+against the streaming read at the same thread count (`decode_bandwidth_fraction`): the
+higher of the machine limit's and one measured right after the timed runs (`read_gbps`, the
+--buffer-mib read, best of 3). A VM's memory bandwidth can change within a run (two vCPUs
+of a Zen 5 EPYC guest streamed 41 GB/s together in one minute and 78-83 the next): against
+a limit taken in a slow minute, a step measured in a fast one read "1.03 of the stream".
 Where the time goes (one separately timed run of --batch-steps steps, wrappers on, the layers
 as Python calls: the compiled DecodeStack makes them where no wrapper sees them): the
 model's matmuls (`matmul_ms` a step), the attention calls (`attention_ms`, with the KV's
@@ -79,12 +83,13 @@ class _Batch:
 
 
 def batch_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> dict[int, dict]:
-    """{B: {threads: {"step_s", "context_sum", "matmul_s", "attention_s", "profile_step_s"}}}
-    for one dtype."""
+    """{B: {threads: {"step_s", "context_sum", "matmul_s", "attention_s", "profile_step_s",
+    "read_gbps"}}} for one dtype."""
     import torch
 
     from engine.client.inproc import InprocClient
     from engine.config import EngineConfig
+    from engine.kernels import compiled
     from engine.kernels.linear import skinny_rows
     from engine.models import causal_lm, layers, load_arch
     from engine.protocol import EngineCoreRequest, SamplingParams
@@ -94,6 +99,8 @@ def batch_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> dict
     sizes = sorted((int(b) for b in args.batch_sizes.split(",") if b), reverse=True)
     if not sizes:
         return {}
+    kern = compiled()
+    buf = torch.ones(args.buffer_mib * (1 << 20) // 4)  # the limits' streaming-read buffer
     vocab, c = load_arch(args.model).vocab_size, args.batch_context
     per_size = len(threads) * (args.repeats + 1) * args.batch_steps + 2 * len(threads) + 2
     extra = len(sizes) * per_size + 4
@@ -126,6 +133,7 @@ def batch_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> dict
                 skinny_rows(getattr(torch, dtype))  # measured now if new, not in a timing
                 batch.timed(2, size)
                 best = min(batch.timed(args.batch_steps, size) for _ in range(args.repeats))
+                read = min(kern.read_seconds(buf, t) for _ in range(3)) if kern else None
                 matmul, attention = [0.0], [0.0]
                 with python_layers(), _timed([layers, causal_lm], "linear", matmul), \
                         _timed([PagedAttention], "__call__", attention):
@@ -135,7 +143,8 @@ def batch_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> dict
                 n = args.batch_steps
                 out[size][t] = {"step_s": best[0], "context_sum": best[1],
                                 "matmul_s": matmul[0] / n, "attention_s": attention[0] / n,
-                                "profile_step_s": total / n}
+                                "profile_step_s": total / n,
+                                "read_gbps": read and buf.numel() * 4 / read / 1e9}
     finally:
         client.shutdown()
     for size in sizes:
@@ -197,20 +206,21 @@ def batch_table(args: argparse.Namespace, dtype: str, runs: dict[int, dict],
         table[size] = {}
         for t, r in per_t.items():
             lim = limits["threads"][t]
+            read_gbps = max(lim["read_gbps"], r.get("read_gbps") or 0)
             kv_bytes = e * costs["kv_per_token"] * r["context_sum"]
             nbytes = e * weights + kv_bytes
-            read_s = nbytes / (lim["read_gbps"] * 1e9)
+            read_s = nbytes / (read_gbps * 1e9)
             peak = (lim["bf16_dot_gflops"] if e == 2 else None) or lim["fma_gflops"]
-            matmul_floor = max(2.0 * size * weights / (peak * 1e9),
-                               e * weights / (lim["read_gbps"] * 1e9))
-            floor = matmul_floor + kv_bytes / (lim["read_gbps"] * 1e9)
+            matmul_floor = max(2.0 * size * weights / (peak * 1e9), e * weights / (read_gbps * 1e9))
+            floor = matmul_floor + kv_bytes / (read_gbps * 1e9)
             gbps = nbytes / r["step_s"] / 1e9
             other = r["profile_step_s"] - r["matmul_s"] - r["attention_s"]
             table[size][t] = {
                 "context": args.batch_context, "step_ms": round(r["step_s"] * 1e3, 3),
                 "mean_context": round(r["context_sum"] / size, 1),
                 "bytes_per_step": int(nbytes), "decode_gbps": round(gbps, 2),
-                "decode_bandwidth_fraction": round(gbps / lim["read_gbps"], 3),
+                "read_gbps": round(read_gbps, 2),
+                "decode_bandwidth_fraction": round(gbps / read_gbps, 3),
                 "bound_fraction": round(min(1.0, read_s / floor), 3),
                 "breakdown": {
                     "step_ms": round(r["profile_step_s"] * 1e3, 3),
@@ -224,14 +234,14 @@ def batch_table(args: argparse.Namespace, dtype: str, runs: dict[int, dict],
     return table
 
 
-def print_table(dtype: str, table: dict[int, dict], limits: dict[str, Any]) -> None:
+def print_table(dtype: str, table: dict[int, dict]) -> None:
     for size, per_t in table.items():
         for t, r in per_t.items():
             b = r["breakdown"]
             print(f"{dtype:8s} {t} thr  decode batch {size:3d} x {r['context']} ctx "
                   f"{r['step_ms']:8.2f} ms  {r['decode_gbps']:6.2f} GB/s = "
                   f"{r['decode_bandwidth_fraction']:.2f} of stream read "
-                  f"{limits['threads'][t]['read_gbps']:.2f} (bound {r['bound_fraction']:.2f}; "
+                  f"{r['read_gbps']:.2f} (bound {r['bound_fraction']:.2f}; "
                   f"matmul {b['matmul_ms']:.2f} ms, attention {b['attention_ms']:.2f} ms at "
                   f"{b['attention_kv_gbps']:.1f} GB/s, other {b['other_ms']:.2f} ms)",
                   flush=True)
