@@ -58,8 +58,7 @@ def machine_limits(threads: list[int], repeats: int, buffer_mib: int,
         if k.has_bf16_dot():
             dot = min(k.bf16_dot_seconds(t, fma_iters) for _ in range(repeats))
             entry["bf16_dot_gflops"] = round(t * fma_iters * 16 * 64 / dot / 1e9, 2)
-        read = min(k.read_seconds(buf, t) for _ in range(max(repeats, 5)))
-        entry["read_gbps"] = round(buf.numel() * 4 / read / 1e9, 2)
+        entry["read_gbps"] = round(read_gbps(k, buf, t, max(repeats, 5)), 2)
         out[t] = entry
     return {"fma_isa": k.fma_isa(), "fma_lanes": lanes, "fma_chains": chains,
             # what a stand-in for a narrower CPU forced (all three, or a gemm beats the peak)
@@ -67,6 +66,12 @@ def machine_limits(threads: list[int], repeats: int, buffer_mib: int,
                 "PDSERVE_ISA", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")},
             "bf16_dot": k.has_bf16_dot(),
             "buffer_mib": buffer_mib, "threads": out}
+
+
+def read_gbps(k: Any, buf: Any, threads: int, tries: int) -> float:
+    """The streaming read of the float32 tensor `buf` at `threads` threads, GB/s, the best of
+    `tries` (k: the compiled kernels)."""
+    return buf.numel() * 4 / min(k.read_seconds(buf, threads) for _ in range(tries)) / 1e9
 
 
 def best_limits(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

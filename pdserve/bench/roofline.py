@@ -25,7 +25,8 @@ Engine (the real EngineCore in this process, torch.set_num_threads(t), prefix ca
   step from the shapes (what must come from memory: every weight once, the KV of the context):
       decode bytes = e * (P + V*hidden) + e * 2*L*KV*D*c
   with e the dtype's bytes per element and c the step's mean context length. Reported as
-  GB/s and as a fraction of the streaming-read bandwidth at the same thread count.
+  GB/s and as a fraction of the streaming-read bandwidth at the same thread count (the
+  higher of the limit's and one measured right after the decode steps: roofline_batch).
 - practical prefill bound (fp32): the sgemm the prefill runs (engine/kernels/linear.py
   large_linear: oneDNN's matmul) timed on this model's own four per-layer matmul shapes at
   --prefill-tokens rows, best of --repeats each, beside torch's F.linear (MKL) on the same
@@ -56,7 +57,7 @@ import time
 from typing import Any
 
 from pdserve.bench import roofline_batch
-from pdserve.bench.machine import best_limits, cpu_info, machine_limits
+from pdserve.bench.machine import best_limits, cpu_info, machine_limits, read_gbps
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -149,6 +150,7 @@ def _engine_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> di
 
     from engine.client.inproc import InprocClient
     from engine.config import EngineConfig
+    from engine.kernels import compiled
     from engine.kernels.linear import skinny_rows, widen_rows
     from engine.models import load_arch
     from pdserve.bench.step import drain
@@ -159,6 +161,8 @@ def _engine_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> di
                           num_kv_blocks=longest // 16 + 4, block_size=16,
                           max_num_batched_tokens=longest, enable_prefix_caching=False)
     client = InprocClient(config)
+    kern = compiled()
+    buf = torch.ones(args.buffer_mib * (1 << 20) // 4)  # the limits' streaming-read buffer
     out: dict[int, dict] = {}
     try:
         drain(client, [_request("warm", vocab, 64, 2, 0)])
@@ -175,6 +179,7 @@ def _engine_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> di
                                                  5 + args.decode_steps, i)])[5:]
                 steps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
                 decode = min(decode, sorted(steps)[len(steps) // 2])  # a run's median step
+            read = read_gbps(kern, buf, t, 3) if kern else None  # beside the decode steps
             shapes = prefill_linear_shapes(args.model)
             sgemm = mkl = None
             gemms: dict[str, float] = {}
@@ -185,7 +190,8 @@ def _engine_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> di
                 gemms = _each_gemm(shapes, args.prefill_tokens, args.repeats)
             breakdowns = [_prefill_breakdown(client, vocab, args.prefill_tokens, f"b{t}-{i}")
                           for i in range(max(1, args.repeats // 2))]
-            out[t] = {"prefill_s": prefill, "decode_step_s": decode, "sgemm_gflops": sgemm,
+            out[t] = {"prefill_s": prefill, "decode_step_s": decode, "read_gbps": read,
+                      "sgemm_gflops": sgemm,
                       "mkl_sgemm_gflops": mkl, "gemm_gflops": gemms,
                       "decode_breakdown": _decode_breakdown(client, vocab, args, f"db{t}"),
                       **min(breakdowns, key=lambda b: b["breakdown_prefill_s"])}
@@ -270,12 +276,13 @@ def _engine_table(args: argparse.Namespace, dtype: str, runs: dict[int, dict],
     table = {}
     for t, r in runs.items():
         lim = limits["threads"][t]
+        read = max(lim["read_gbps"], r.get("read_gbps") or 0)  # roofline_batch's docstring
         gflops, gbps = flop / r["prefill_s"] / 1e9, nbytes / r["decode_step_s"] / 1e9
         table[t] = {"prefill_s": round(r["prefill_s"], 6), "prefill_gflops": round(gflops, 2),
                     "prefill_fma_fraction": round(gflops / lim["fma_gflops"], 3),
                     "decode_step_ms": round(r["decode_step_s"] * 1e3, 3),
-                    "decode_gbps": round(gbps, 2),
-                    "decode_bandwidth_fraction": round(gbps / lim["read_gbps"], 3)}
+                    "decode_gbps": round(gbps, 2), "read_gbps": round(read, 2),
+                    "decode_bandwidth_fraction": round(gbps / read, 3)}
         if r["sgemm_gflops"]:
             # The practical bound: every prefill FLOP at the BLAS sgemm's rate on this model's
             # own matmul shapes, and nothing else taking any time.
@@ -344,7 +351,7 @@ def _print(dtype: str, table: dict[int, dict], limits: dict[str, Any]) -> None:
               + (f" (sgemm bound {r['prefill_fma_bound']:.2f})" if "prefill_fma_bound" in r
                  else "") + "  |  "
               f"decode {r['decode_gbps']:6.2f} GB/s = {r['decode_bandwidth_fraction']:.2f} of "
-              f"stream read {lim['read_gbps']:.2f}", flush=True)
+              f"stream read {r['read_gbps']:.2f}", flush=True)
         d = r.get("decode_breakdown")
         if d:
             print(f"{dtype:8s} {t} thr  decode batch   1 step {d['step_ms']:.2f} ms: matmul "

@@ -94,6 +94,7 @@ def batch_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> dict
     from engine.models import causal_lm, layers, load_arch
     from engine.protocol import EngineCoreRequest, SamplingParams
     from engine.runner.attention import PagedAttention
+    from pdserve.bench.machine import read_gbps
     from pdserve.bench.offline import _timed, python_layers
 
     sizes = sorted((int(b) for b in args.batch_sizes.split(",") if b), reverse=True)
@@ -133,7 +134,7 @@ def batch_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> dict
                 skinny_rows(getattr(torch, dtype))  # measured now if new, not in a timing
                 batch.timed(2, size)
                 best = min(batch.timed(args.batch_steps, size) for _ in range(args.repeats))
-                read = min(kern.read_seconds(buf, t) for _ in range(3)) if kern else None
+                read = read_gbps(kern, buf, t, 3) if kern else None
                 matmul, attention = [0.0], [0.0]
                 with python_layers(), _timed([layers, causal_lm], "linear", matmul), \
                         _timed([PagedAttention], "__call__", attention):
@@ -144,7 +145,7 @@ def batch_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> dict
                 out[size][t] = {"step_s": best[0], "context_sum": best[1],
                                 "matmul_s": matmul[0] / n, "attention_s": attention[0] / n,
                                 "profile_step_s": total / n,
-                                "read_gbps": read and buf.numel() * 4 / read / 1e9}
+                                "read_gbps": read}
     finally:
         client.shutdown()
     for size in sizes:

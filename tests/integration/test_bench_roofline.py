@@ -42,6 +42,10 @@ def test_roofline_reports_the_fractions_and_the_machine(result):
     assert 0 < result["prefill_fma_fraction"] <= ceiling
     # The tiny model's weights fit in the caches, so its decode may beat DRAM bandwidth.
     assert 0 < result["decode_bandwidth_fraction"] < 20
+    for t, r in result["float32"].items():  # against the higher of the two streaming reads
+        assert r["read_gbps"] >= result["limits"]["threads"][t]["read_gbps"]
+        assert r["decode_bandwidth_fraction"] == pytest.approx(
+            r["decode_gbps"] / r["read_gbps"], abs=0.002)
     assert result["prefill_fma_fraction_threads"] == 1
     # The practical bound: torch's sgemm on the model's own matmul shapes.
     assert 0 < result["prefill_fma_bound"] <= ceiling
