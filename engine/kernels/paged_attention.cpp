@@ -17,8 +17,8 @@
 // other, into the next sequence at a sequence's end (Ahead). So it streams at the rate the
 // work consumes it: the hardware prefetcher does not follow the per-head column order a chunk
 // is read in (nor cross its 4 KiB pages), and a burst of prefetches stalls on the core's miss
-// buffers (asked for once a head instead, 32 lines at a time, fp32 read 0.88-0.90x and bf16
-// 0.89-0.95x the KV a second on a Zen 5 EPYC at 1 thread, batch 8-32 x 1024).
+// buffers (asked for 32 lines at a time once a head instead, fp32 read 0.89-0.94x and bf16
+// 0.84-0.90x the KV a second on a Zen 5 EPYC at 1 thread, batch 8-32 x 1024).
 //
 // Work items are runs of at most kPartPositions context positions of one sequence: a longer
 // context is cut into several (computed apart, then combined), so one long sequence (batch 1)
@@ -51,8 +51,8 @@ constexpr int64_t kPartPositions = 512;  // context positions per work item at m
 // (bf16: one chunk) or 32 KiB (fp32: two) were slower by 4-22 %. Distances from 32 KiB up
 // let lines be evicted again before their turn came (the old two whole blocks, 64 KiB).
 // With the prefetches spread over every step of the work (Ahead below), bf16 gained from a
-// third chunk (24 KiB: 1.06-1.12x against 16 KiB at 1 thread) and fp32 lost 20 % from a
-// second one (32 KiB).
+// third chunk (24 KiB: 1.04-1.13x against 16 KiB at 1 thread), and fp32 read 0.79-0.80x with
+// a second one (32 KiB).
 template <typename T>
 constexpr int64_t kLeadBytes = std::is_same_v<T, bf16> ? 24 << 10 : 16 << 10;
 
@@ -64,11 +64,11 @@ constexpr int64_t kLeadBytes = std::is_same_v<T, bf16> ? 24 << 10 : 16 << 10;
 // step() runs in the kernel's innermost loops, so it does no more than its lines: the switch
 // to the second range is the caller's (second(), between a block's scores and its softmax).
 // With that switch tested in every step, the AVX2 path read 0.59-0.93x the KV a second of
-// prefetching once a head, and AVX-512 over KV in L2 0.80-0.85x (Zen 5 EPYC). The loops that
+// prefetching once a head, and fp32 over KV in L2 0.80-0.82x (Zen 5 EPYC). The loops that
 // step it (dots, dots2, weigh_v) take it by a pointer that may be null (no prefetching) and
 // are always inlined into the block's loop: left to itself, GCC called them out of line
 // after unrelated one-line changes, and fp32 at batch 8-32 then read 0.85-0.92x the KV a
-// second, bf16 at batch 1 0.87x.
+// second, bf16 at batch 1 0.85-0.87x.
 class Ahead {
  public:
   void start(const void* first, const void* second, int64_t bytes, int64_t steps1,
