@@ -45,8 +45,11 @@ ISA_PATHS = ("avx512_bf16", "avx512", "avx2", "scalar")
 def kernel_isa(request: pytest.FixtureRequest):
     """The compiled kernels forced onto each instruction-set path in turn (as PDSERVE_ISA
     does); a path this CPU lacks is skipped (the build is -march=native, so it is not
-    compiled in). Yields the kernels' module; the best path is restored afterwards."""
+    compiled in). Yields the kernels' module; the best path is restored afterwards. The
+    skinny thresholds `linear` caches per dtype and thread count are dropped at each switch:
+    they hold the path they were measured on."""
     from engine import kernels
+    from engine.kernels import linear
 
     mod = kernels.compiled()
     # gcc and ninja are installed by `make install`: a missing kernel is a failure here.
@@ -55,10 +58,12 @@ def kernel_isa(request: pytest.FixtureRequest):
         pytest.skip(f"this CPU has no {request.param} (its paths: {mod.isa_paths()})")
     best = mod.get_isa()
     mod.set_isa(request.param)
+    linear._skinny.clear()
     try:
         yield mod
     finally:
         mod.set_isa(best)
+        linear._skinny.clear()
 
 
 # Modules that measure CPU time or look at machine-wide state (/dev/shm): `make test` runs the

@@ -58,9 +58,19 @@ def _forward(model, cache, spans, tokens, positions, kernel, stack: bool):
         del model._decode_stack
 
 
+@pytest.fixture
+def skinny_up_to_8_rows(monkeypatch):
+    """The skinny kernel for up to 8 rows (these cases' most), whatever this machine's
+    calibration chose: the stack runs only there. A threshold measured while CI ran came out
+    at 4 rows for bf16 on the forced AVX2 path, oneDNN keeping AVX512-BF16."""
+    monkeypatch.setattr(kernel_linear, "skinny_rows", lambda dtype: 8)
+    monkeypatch.setattr(kernel_linear, "_skinny", {})
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_stack_gives_the_python_layers_bits(kernel_isa, tiny_models, arch, dtype):
+def test_the_stack_gives_the_python_layers_bits(kernel_isa, tiny_models, arch, dtype,
+                                                skinny_up_to_8_rows):
     model = load_model(tiny_models[arch], dtype=dtype)
     for seed, lens in enumerate([[5], [17, 40, 3], [100, 1, 64, 33, 7, 250, 16, 80]]):
         case = _case(model, seed, lens)
