@@ -35,14 +35,13 @@ def machine_limits(threads: list[int], repeats: int, buffer_mib: int,
     """Per thread count: fp32 FMA GFLOP/s, the clock (GHz, from a dependent-add chain) and the
     vector FMAs retired per cycle, bf16 dot GFLOP/s (None without AVX512-BF16) and
     streaming-read GB/s, each the best of `repeats`."""
-    import torch
 
     from engine.kernels import compiled
 
     k = compiled()
     if k is None:
         raise RuntimeError("the compiled CPU kernels are not available: no roofline loops")
-    buf = torch.ones(buffer_mib * (1 << 20) // 4)  # written once, so every page is mapped
+    buf = stream_buffer(buffer_mib)
     lanes, chains, out = k.fma_lanes(), k.fma_chains(), {}
     for t in threads:
         fma = min(k.fma_seconds(t, fma_iters) for _ in range(repeats))
@@ -68,10 +67,25 @@ def machine_limits(threads: list[int], repeats: int, buffer_mib: int,
             "buffer_mib": buffer_mib, "threads": out}
 
 
+def stream_buffer(mib: int) -> Any:
+    """The streaming read's float32 buffer of `mib` MiB (>> L3), written once so every page
+    is mapped."""
+    import torch
+
+    return torch.ones(mib * (1 << 20) // 4)
+
+
 def read_gbps(k: Any, buf: Any, threads: int, tries: int) -> float:
     """The streaming read of the float32 tensor `buf` at `threads` threads, GB/s, the best of
     `tries` (k: the compiled kernels)."""
     return buf.numel() * 4 / min(k.read_seconds(buf, threads) for _ in range(tries)) / 1e9
+
+
+def read_against(limit: dict[str, Any], beside: float | None) -> float:
+    """The streaming read a decode fraction is taken against: the higher of the limit's and
+    one measured right after the timed steps (roofline_batch's docstring: a VM's bandwidth can
+    change within a run)."""
+    return max(limit["read_gbps"], beside or 0)
 
 
 def best_limits(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

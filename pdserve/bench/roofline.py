@@ -57,7 +57,14 @@ import time
 from typing import Any
 
 from pdserve.bench import roofline_batch
-from pdserve.bench.machine import best_limits, cpu_info, machine_limits, read_gbps
+from pdserve.bench.machine import (
+    best_limits,
+    cpu_info,
+    machine_limits,
+    read_against,
+    read_gbps,
+    stream_buffer,
+)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -162,7 +169,7 @@ def _engine_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> di
                           max_num_batched_tokens=longest, enable_prefix_caching=False)
     client = InprocClient(config)
     kern = compiled()
-    buf = torch.ones(args.buffer_mib * (1 << 20) // 4)  # the limits' streaming-read buffer
+    buf = stream_buffer(args.buffer_mib)  # the limits' streaming read, beside the steps
     out: dict[int, dict] = {}
     try:
         drain(client, [_request("warm", vocab, 64, 2, 0)])
@@ -276,7 +283,7 @@ def _engine_table(args: argparse.Namespace, dtype: str, runs: dict[int, dict],
     table = {}
     for t, r in runs.items():
         lim = limits["threads"][t]
-        read = max(lim["read_gbps"], r.get("read_gbps") or 0)  # roofline_batch's docstring
+        read = read_against(lim, r.get("read_gbps"))
         gflops, gbps = flop / r["prefill_s"] / 1e9, nbytes / r["decode_step_s"] / 1e9
         table[t] = {"prefill_s": round(r["prefill_s"], 6), "prefill_gflops": round(gflops, 2),
                     "prefill_fma_fraction": round(gflops / lim["fma_gflops"], 3),

@@ -36,6 +36,8 @@ import argparse
 import time
 from typing import Any
 
+from pdserve.bench.machine import read_against, read_gbps, stream_buffer
+
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", default="8,32",
@@ -94,14 +96,13 @@ def batch_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> dict
     from engine.models import causal_lm, layers, load_arch
     from engine.protocol import EngineCoreRequest, SamplingParams
     from engine.runner.attention import PagedAttention
-    from pdserve.bench.machine import read_gbps
     from pdserve.bench.offline import _timed, python_layers
 
     sizes = sorted((int(b) for b in args.batch_sizes.split(",") if b), reverse=True)
     if not sizes:
         return {}
     kern = compiled()
-    buf = torch.ones(args.buffer_mib * (1 << 20) // 4)  # the limits' streaming-read buffer
+    buf = stream_buffer(args.buffer_mib)  # the limits' streaming read, beside the steps
     vocab, c = load_arch(args.model).vocab_size, args.batch_context
     per_size = len(threads) * (args.repeats + 1) * args.batch_steps + 2 * len(threads) + 2
     extra = len(sizes) * per_size + 4
@@ -207,7 +208,7 @@ def batch_table(args: argparse.Namespace, dtype: str, runs: dict[int, dict],
         table[size] = {}
         for t, r in per_t.items():
             lim = limits["threads"][t]
-            read_gbps = max(lim["read_gbps"], r.get("read_gbps") or 0)
+            read_gbps = read_against(lim, r.get("read_gbps"))
             kv_bytes = e * costs["kv_per_token"] * r["context_sum"]
             nbytes = e * weights + kv_bytes
             read_s = nbytes / (read_gbps * 1e9)
