@@ -177,7 +177,7 @@ class Decoder {
         kv_heads_(kv_heads), group_(group), dim_(dim), heads_(kv_heads * group),
         row_(kv_heads * dim), chunk_(bs * kv_heads * dim), scale_(scale),
         s_(heads_ * bs), m_(heads_), l_(heads_), acc_(heads_ * dim),
-        score_steps_(score_steps()), v_steps_(v_steps()) {}
+        span_(span()), score_steps_(score_steps()), v_steps_(v_steps()) {}
 
   // Items [begin, end) of `items`; item i's normalized output goes to outs[i] ([heads, dim],
   // row stride ld) and, where ml is given, its m and l to ml[i * 2 * heads ...].
@@ -298,8 +298,14 @@ class Decoder {
       }
       l_[h] += total;
     }
-    // acc[h, :] += sum_i s[h, i] * v_i of h's kv head, two heads of a group at a time where
-    // kPairs: each V vector loaded and widened once for both.
+    // acc[h, :] += sum_i s[h, i] * v_i of h's kv head: span_ kv heads a pass where span_
+    // (weigh_span), else two heads of a group at a time where kPairs: each V vector loaded and
+    // widened once for both.
+    if constexpr (kSpans) {
+      if (span_ == 2 && group_ == 2) return weigh_span<2, 2, 4>(s, v, len, ahead);
+      if (span_ == 2 && group_ == 1) return weigh_span<2, 1, 8>(s, v, len, ahead);
+      if (span_ == 4) return weigh_span<4, 1, 4>(s, v, len, ahead);
+    }
     for (int64_t kh = 0, h = 0; kh < kv_heads_; ++kh) {
       const T* vh = v + kh * dim_;
       int64_t g = 0;
@@ -308,6 +314,42 @@ class Decoder {
       for (; g < group_; ++g, ++h)
         weigh_v<1>(s + h * bs_, acc_.data() + h * dim_, vh, len, &ahead);
     }
+  }
+
+  // acc[h, :] += sum_i p[h * bs + i] * v_i for every head h, S kv heads a pass over the rows
+  // (their G heads each, C vectors of head_dim each: S * G * C accumulators in registers), so
+  // a pass reads S * head_dim values of each row together, in address order; kv heads past the
+  // last whole pass go to weigh_v. Each head's sums run in weigh_v's order (the same bits). Two
+  // ahead.step() a row and kv head (v_steps counts them).
+  template <int S, int G, int C>
+  [[gnu::always_inline]] void weigh_span(const float* p, const T* v, int64_t len, Ahead& ahead) {
+    constexpr int64_t W = P::kStep;
+    int64_t kh0 = 0;
+    for (; kh0 + S <= kv_heads_; kh0 += S) {
+      float* o = acc_.data() + kh0 * G * dim_;
+      typename P::V a[S][G][C];
+      for (int u = 0; u < S; ++u)
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < C; ++c) a[u][g][c] = P::loadf(o + (u * G + g) * dim_ + c * W);
+      for (int64_t i = 0; i < len; ++i) {
+        const T* vr = v + i * row_ + kh0 * dim_;
+        for (int u = 0; u < S; ++u) {
+          ahead.step();
+          ahead.step();
+          typename P::V pv[G];
+          for (int g = 0; g < G; ++g) pv[g] = P::set1(p[((kh0 + u) * G + g) * bs_ + i]);
+          for (int c = 0; c < C; ++c) {
+            const auto x = P::load(vr + u * dim_ + c * W);
+            for (int g = 0; g < G; ++g) a[u][g][c] = P::template madd<T>(a[u][g][c], pv[g], x);
+          }
+        }
+      }
+      for (int u = 0; u < S; ++u)
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < C; ++c) P::storef(o + (u * G + g) * dim_ + c * W, a[u][g][c]);
+    }
+    for (int64_t h = kh0 * G; h < heads_; ++h)
+      weigh_v<1>(p + h * bs_, acc_.data() + h * dim_, v + h / G * dim_, len, &ahead);
   }
 
   // o[n * dim + :] += sum_i p[n * bs + i] * v_i for the G heads n < G sharing the kv head of
@@ -358,14 +400,38 @@ class Decoder {
   static constexpr bool kPairs = std::is_same_v<T, bf16> && P::kStep >= 2;
   static constexpr int64_t kHalfStep = P::kStep / 2;
   static constexpr int kWeighVectors = 4;  // weigh_v's C
+  static constexpr bool kSpans = std::is_same_v<T, float> && P::kStep == 16;  // span()
+
+  // The kv heads a weigh_span pass holds: 2 or 4 whole ones in 16 accumulators (group x
+  // head_dim / 16 = 8 or 4 a kv head), float32 rows on the 16-lane path; else 0 (weigh_v, one
+  // kv head a pass). On a Zen 5 EPYC (1 thread, batch 8 / 32 x 1024, paged_decode alone) the
+  // passes over two kv heads read 1.06-1.08x / 1.10-1.12x the KV a second of weigh_v's at
+  // 4 kv heads x 64 in groups of 2, and 1.03-1.23x at batch 1-32 with 8 x 64 or 4 x 128 kv
+  // heads of one query head each; over one sequence's KV in L3 (no DRAM to wait on) 0.82-0.84x
+  // at 4 x 64. One kv head a pass with its two heads together (weigh_v<2>) read 0.85-0.90x;
+  // each V row's values in memory accumulators, whole rows at a time, 0.77-1.24x by shape. bf16
+  // rows (a group's pairs share each widened load) and 8-lane paths keep weigh_v.
+  int64_t span() const {
+    if (!kSpans || dim_ % P::kStep != 0) return 0;
+    const int64_t c = dim_ / P::kStep;
+    if (group_ == 2 && c == 4) return kv_heads_ >= 2 ? 2 : 0;
+    if (group_ == 1 && c == 8) return kv_heads_ >= 2 ? 2 : 0;
+    if (group_ == 1 && c == 4) return kv_heads_ >= 4 ? 4 : 0;
+    return 0;
+  }
 
   // The ahead.step() calls of a full block's scores (dots, dots2: one a vector of dim) and of
-  // its weighted sum (weigh_v: one a row of each pass).
+  // its weighted sum (weigh_v: one a row of each pass; weigh_span: two a row and kv head).
   int64_t score_steps() const {
     const int64_t per_head = dim_ % P::kStep == 0 ? dim_ / P::kStep : 0;
     return (bs_ / P::kStep) * heads_ * per_head;
   }
   int64_t v_steps() const {
+    if (span_ > 0) {  // weigh_span's, then weigh_v<1>'s for the kv heads left (C = 4 vectors)
+      const int64_t spanned = kv_heads_ / span_ * span_;
+      return 2 * bs_ * spanned +
+             (kv_heads_ - spanned) * group_ * bs_ * (dim_ / (kWeighVectors * P::kStep));
+    }
     constexpr int64_t wide = kWeighVectors * P::kStep;
     const int64_t pairs = kPairs ? group_ / 2 : 0, singles = group_ - 2 * pairs;
     const int64_t pass = dim_ / wide;  // passes of one weigh_v<G> call, besides its tail's
@@ -379,6 +445,7 @@ class Decoder {
   int64_t max_blocks_, layer_, bs_, kv_heads_, group_, dim_, heads_, row_, chunk_;
   float scale_;
   std::vector<float> s_, m_, l_, acc_;
+  int64_t span_;  // kv heads a weigh_span pass, 0: none (span())
   int64_t score_steps_, v_steps_;  // ahead.step() calls of a block: score_steps(), v_steps()
 };
 

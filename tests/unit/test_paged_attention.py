@@ -248,9 +248,12 @@ def test_decode_rejects_a_table_that_reads_outside_the_cache(kernel_isa, entry, 
 @pytest.mark.parametrize(("group", "dim"), [(2, 64), (3, 64), (3, 32), (4, 128)])
 def test_grouped_heads_give_the_bits_of_each_head_over_its_own_kv_copy(kernel_isa, dtype,
                                                                        group, dim):
-    """With bf16 rows two query heads of a group share each K and V load (kPairs); every
-    head's sums keep their order, so a GQA decode equals, bit for bit, the same heads each
-    over its own copy of its kv head (group 1: one head at a time)."""
+    """With bf16 rows two query heads of a group share each K and V load (kPairs), and float32
+    rows on the 16-lane path take V several kv heads a pass (weigh_span: here groups of 2 over
+    64 values, and the copies' groups of 1 over 64 and 128, 3 x 64 with kv heads left over);
+    every head's sums keep their order, so a GQA decode equals, bit for bit, the same heads
+    each over its own copy of its kv head (group 1: one head at a time), and both match the
+    float64 definition."""
     kv = 2
     gen = torch.Generator().manual_seed(group * dim)
     lens = [1100, 40, 17, 16, 1]
@@ -274,3 +277,11 @@ def test_grouped_heads_give_the_bits_of_each_head_over_its_own_kv_copy(kernel_is
     own = decode(cache.repeat_interleave(group, dim=4).contiguous())
     assert not grouped.isnan().any()
     assert torch.equal(grouped, own)
+    want = torch.empty(q.shape, dtype=torch.float64)
+    for b, s in enumerate(spans):
+        ks, vs = (torch.cat([cache[i, 1, kv_] for i in s.block_ids])[:s.ctx_len].double()
+                  .repeat_interleave(group, dim=1) for kv_ in (0, 1))
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[b].double(), ks) * dim ** -0.5, -1)
+        want[b] = torch.einsum("ht,thd->hd", p, vs)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(grouped.double(), want, atol=tol, rtol=tol)
