@@ -408,8 +408,8 @@ class Decoder {
   // passes over two kv heads read 1.06-1.08x / 1.10-1.12x the KV a second of weigh_v's at
   // 4 kv heads x 64 in groups of 2, and 1.03-1.23x at batch 1-32 with 8 x 64 or 4 x 128 kv
   // heads of one query head each; over one sequence's KV in L3 (no DRAM to wait on) 0.82-0.84x
-  // at 4 x 64. One kv head a pass with its two heads together (weigh_v<2>) read 0.85-0.90x;
-  // each V row's values in memory accumulators, whole rows at a time, 0.77-1.24x by shape. bf16
+  // at 4 x 64. One kv head a pass with its two heads together (weigh_v<2>, the scores paired
+  // too) read 0.85-0.90x; V in memory accumulators, whole rows at a time, 0.75-1.24x by shape. bf16
   // rows (a group's pairs share each widened load) and 8-lane paths keep weigh_v.
   int64_t span() const {
     if (!kSpans || dim_ % P::kStep != 0) return 0;
