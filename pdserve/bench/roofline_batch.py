@@ -105,11 +105,12 @@ def batch_runs(args: argparse.Namespace, dtype: str, threads: list[int]) -> dict
     buf = stream_buffer(args.buffer_mib)  # the limits' streaming read, beside the steps
     vocab, c = load_arch(args.model).vocab_size, args.batch_context
     per_size = len(threads) * (args.repeats + 1) * args.batch_steps + 2 * len(threads) + 2
-    extra = len(sizes) * per_size + 4
+    chunk = max(2048, c)  # tokens a step: the first prompts decode while the last prefill
+    extra = len(sizes) * per_size + 4 + -(-sizes[0] * c // chunk)
     blocks = -(-(c + extra) // 16)
     config = EngineConfig(model=args.model, dtype=dtype, max_num_seqs=sizes[0],
                           max_model_len=c + extra, num_kv_blocks=sizes[0] * blocks + 4,
-                          block_size=16, max_num_batched_tokens=max(2048, c),
+                          block_size=16, max_num_batched_tokens=chunk,
                           enable_prefix_caching=False)
     client = InprocClient(config)
     batch = _Batch(client, c)

@@ -42,10 +42,11 @@ def test_kernel_matches_float64_matmul(kernel_isa, dtype, m, n, k):
 
 
 @DTYPES
-def test_a_row_gives_the_same_bits_whatever_its_batch(kernel_isa, dtype):
+@pytest.mark.parametrize("k", [520, 1408])  # 1408: 4-row passes over a block (kPassXBytes)
+def test_a_row_gives_the_same_bits_whatever_its_batch(kernel_isa, dtype, k):
     gen = torch.Generator().manual_seed(7)
-    x = torch.randn(40, 520, generator=gen).to(dtype)  # 32 rows and more: blocks of tiles
-    w = torch.randn(301, 520, generator=gen).to(dtype)  # and a last tile of one weight row
+    x = torch.randn(40, k, generator=gen).to(dtype)  # 32 rows and more: blocks of tiles
+    w = torch.randn(301, k, generator=gen).to(dtype)  # and a last tile of one weight row
     batch = kernel_isa.skinny_linear(x, w)
     assert torch.equal(kernel_isa.skinny_linear(x[:20].contiguous(), w), batch[:20])
     for i in (0, 5, 19, 33):
