@@ -10,7 +10,9 @@ usage: python scripts/decode_kernels_ab.py OLD_HASH NEW_HASH THREADS paged,skinn
 as PDSERVE_ISA names it). AB_WEIGHT_COPIES=N runs skinny over N copies of the weights (4: more
 than a 260 MiB L3 holds, so they come from DRAM as a loaded server's would). AB_PEAK=X scales
 prefill's queries by X (20: scores ~20 wide, a peaked softmax whose tiny weights give denormal
-products).
+products). AB_SHAPES=OxI,... runs skinny on each [out, in] weight shape apart instead (copies
+of it filling ~96 MiB, on huge pages), at 2-64 rows of x: real models' long rows of x
+(K = 1408-4096) against bench-llama's short ones.
 Prints GB/s (GFLOP/s for prefill) of each and NEW/OLD; skinny
 outputs must be equal, the attentions' close (max difference printed).
 """
@@ -80,6 +82,20 @@ def skinny(a, b, dt, clock) -> None:
         ab(f"skinny {str(dt)[6:]:8s} M={m:2d}", nbytes, run(a), run(b), clock)
 
 
+def skinny_shapes(a, b, dt, clock, shapes: str) -> None:
+    for o, i in (tuple(int(v) for v in shape.split("x")) for shape in shapes.split(",")):
+        ws = [_huge(torch.randn(o, i).to(dt)) for _ in range(max(1, (96 << 20) // (o * i * 4)))]
+        nbytes = sum(w.numel() * w.element_size() for w in ws)
+        for m in (2, 4, 8, 16, 32, 64):
+            x = torch.randn(m, i).to(dt)
+            assert torch.equal(a.skinny_linear(x, ws[0]), b.skinny_linear(x, ws[0]))
+
+            def run(k, x=x, ws=ws):
+                return lambda: [k.skinny_linear(x, w) for w in ws]
+
+            ab(f"skinny {str(dt)[6:]:8s} {o}x{i} M={m:2d}", nbytes, run(a), run(b), clock)
+
+
 def paged(a, b, dt, clock) -> None:
     layers, bs, kv, dim, heads, ctx = 8, 16, 4, 64, 8, 1024
     for batch in (1, 8, 32):
@@ -132,7 +148,9 @@ def main() -> None:
     t = best(lambda: a.read_seconds(buf, torch.get_num_threads()), clock, 5)
     print(f"stream read {buf.numel() * 4 / t / 1e9:.2f} GB/s", flush=True)
     for dt in (torch.float32, torch.bfloat16):
-        if "skinny" in what:
+        if "skinny" in what and os.environ.get("AB_SHAPES"):
+            skinny_shapes(a, b, dt, clock, os.environ["AB_SHAPES"])
+        elif "skinny" in what:
             skinny(a, b, dt, clock)
         if "paged" in what:
             paged(a, b, dt, clock)

@@ -138,22 +138,26 @@ inline const char* next_tile(const T* w, int64_t t, int64_t t1, int64_t NB, int6
   return t + ahead < t1 && n + NB <= N ? reinterpret_cast<const char*>(w + n * K) : nullptr;
 }
 
-// MB rows of x (stride K) against NB rows of w (stride K) into y (row stride N); where `next`
-// is given, the NB rows of w after these are prefetched along the way (only a hint: no
-// fault past the end).
+// Columns [k0, k1) (whole steps) of MB rows of x (stride K) against NB rows of w (stride K),
+// added to acc. Where `next` is given it is prefetched along the way (only a hint: no fault
+// past the end): Sliced, the same columns of the NB rows from `next` on (the next tile's share
+// of a slice, run_sliced), else the NB rows of w after these, front to back (prefetch_share).
 // HoldW: the NB w vectors of a step held in registers too (kTileRows above).
-template <typename P, typename T, int MB, int NB, bool HoldW = false>
-inline void tile(const T* x, const T* w, T* y, int64_t K, int64_t N,
-                 const char* next = nullptr) {
-  typename P::V acc[MB][NB];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) acc[i][j] = P::zero();
-  int64_t k = 0;
-  for (; k + P::kStep <= K; k += P::kStep) {
+template <typename P, typename T, int MB, int NB, bool HoldW, bool Sliced = false>
+[[gnu::always_inline]] inline void columns(const T* x, const T* w, int64_t K, int64_t k0,
+                                           int64_t k1, typename P::V (&acc)[MB][NB],
+                                           const char* next) {
+  for (int64_t k = k0; k < k1; k += P::kStep) {
     typename P::template In<T> wv[NB];
     if constexpr (NB == 1 && kPrefetchBytes<P> > 0)  // no fault past the end: only a hint
       __builtin_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetchBytes<P>);
-    if (next != nullptr) prefetch_share<T>(next, k * NB * sizeof(T), NB * P::kStep * sizeof(T));
+    if (next != nullptr) {
+      if constexpr (Sliced)
+        for (int j = 0; j < NB; ++j)
+          prefetch_share<T>(next + j * K * sizeof(T), (k - k0) * sizeof(T), P::kStep * sizeof(T));
+      else
+        prefetch_share<T>(next, k * NB * sizeof(T), NB * P::kStep * sizeof(T));
+    }
     for (int j = 0; j < NB; ++j) {
       wv[j] = P::load(w + j * K + k);
       if constexpr (HoldW) asm("" : "+v"(wv[j]));
@@ -164,7 +168,14 @@ inline void tile(const T* x, const T* w, T* y, int64_t K, int64_t N,
       for (int j = 0; j < NB; ++j) acc[i][j] = P::template madd<T>(acc[i][j], xv, wv[j]);
     }
   }
-  if (k < K) {  // the tail, zero-padded to one full step
+}
+
+// The tail from column k (K - k < one step, zero-padded to one) added to acc, then each sum
+// into y (row stride N).
+template <typename P, typename T, int MB, int NB>
+[[gnu::always_inline]] inline void tile_end(const T* x, const T* w, T* y, int64_t K, int64_t N,
+                                            int64_t k, typename P::V (&acc)[MB][NB]) {
+  if (k < K) {
     T pad[P::kStep];
     for (int i = 0; i < MB; ++i) {
       std::memset(static_cast<void*>(pad), 0, sizeof(pad));
@@ -179,6 +190,18 @@ inline void tile(const T* x, const T* w, T* y, int64_t K, int64_t N,
   }
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) y[i * N + j] = static_cast<T>(P::hsum(acc[i][j]));
+}
+
+// MB rows of x against NB rows of w into y (row stride N), prefetching `next` (columns).
+template <typename P, typename T, int MB, int NB, bool HoldW = false>
+inline void tile(const T* x, const T* w, T* y, int64_t K, int64_t N,
+                 const char* next = nullptr) {
+  typename P::V acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = P::zero();
+  const int64_t kv = K - K % P::kStep;
+  columns<P, T, MB, NB, HoldW>(x, w, K, 0, kv, acc, next);
+  tile_end<P, T, MB, NB>(x, w, y, K, N, kv, acc);
 }
 
 // The last R (< the path's tile rows) rows of x against NB rows of w.
@@ -214,18 +237,20 @@ inline void all_rows(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t
 // 0.97-0.99x, so those keep one tile at a time. The sums are the same (bit-identical).
 constexpr int64_t kBlockTiles = 16;
 
-// A pass's rows of x stay in L1 over the block only while they are small: where the path's
-// rows of x take more than this many bytes (8 rows of float32 from K = 769 on), a pass takes
-// kTileRows rows instead. On a Zen 5 EPYC (48 KiB L1; bench-llama's 512 x 1408 down
-// projection, 8 rows of 5.5 KiB) that read 1.24-1.33x the FLOPs a second at 32-64 rows of x,
-// 1 and 2 threads, weights from DRAM; at K = 512 (16 KiB) the 8-row passes stay.
-constexpr int64_t kPassXBytes = 24 << 10;
+// The most bytes of x a pass over several tiles reads from L1 (a core's L1 holds 32-48 KiB,
+// and the tiles' weight lines pass through it too): beyond, run_sliced. With 2 passes or more
+// (16+ rows of x on AVX-512), 16 KiB: on a Zen 5 EPYC bf16 rows of 22-24 KiB (K = 1408-1536)
+// read 1.14-1.22x the weight a second sliced, float32 rows of 16 KiB (K = 512) lost 0.6-0.9x
+// at a limit of 8 KiB. With one pass (8-15 rows), 40 KiB: rows of 32 KiB (float32 K = 1024,
+// bf16 K = 2048) read 0.85-0.98x sliced, and from 45 KiB on 1.26-1.61x.
+constexpr int64_t kPassXBytes = 16 << 10, kOnePassXBytes = 40 << 10;
 
 // Tiles [t0, t1) of NB rows of w, TR rows of x a pass over each block of them; returns where
 // it stopped (the first tile without NB rows).
-template <typename P, typename T, int NB, int TR>
+template <typename P, typename T, int NB>
 int64_t run_blocks(const T* xp, const T* wp, T* yp, int64_t M, int64_t K, int64_t N,
                    int64_t t0, int64_t t1) {
+  constexpr int TR = Tiling<P>::rows;
   const int64_t full = std::min(t1, N / NB);
   for (int64_t t = t0; t < full; t += kBlockTiles) {
     const int64_t tb = std::min(full, t + kBlockTiles);
@@ -241,16 +266,89 @@ int64_t run_blocks(const T* xp, const T* wp, T* yp, int64_t M, int64_t K, int64_
   return std::max(t0, full);
 }
 
+// Long rows of x do not stay in L1 from one tile to the next: where a pass's rows of x take
+// more than kPassXBytes, every tile read them again from L2 (on a Zen 5 EPYC, 8 rows of float32
+// at K = 1408-4096 read 17-21 GB/s of weights against 28 at K = 512-576; sliced 25-29, 1.26-1.61x
+// at 8 rows, 1.24-1.36x at 16, up to 1.42x at 32-64, bf16 at K = 4096 1.33-1.48x at 8-32 rows;
+// the AVX2 path 1.23-1.28x at K = 4096, scripts/decode_kernels_ab.py-style pairs in
+// bench/results/session23/sliced_ab_*.txt). There tiles go in
+// groups of kGroupTiles, and each pass of rows of x over a group reads K in slices of at most
+// kPassXBytes of x: each tile of the group adds its slice of columns to its sums, kept in
+// `acc` from one slice to the next, and sums them up after the last. The same products summed
+// in the same order: bit-identical. Each tile prefetches the next one's columns of its slice
+// (after the group's last tile, the first one's next slice; after the last slice, `after`).
+constexpr int64_t kGroupTiles = 8;
+
+template <typename P, typename T, int MB, int NB, bool HoldW>
+void group_pass(const T* x, const T* w, T* y, int64_t K, int64_t N, int64_t tiles,
+                int64_t slice, const T* after) {
+  typename P::V acc[kGroupTiles][MB][NB];
+  for (int64_t u = 0; u < tiles; ++u)
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) acc[u][i][j] = P::zero();
+  const int64_t kv = K - K % P::kStep;
+  for (int64_t k0 = 0; k0 < kv; k0 += slice) {
+    const int64_t k1 = std::min(kv, k0 + slice);
+    for (int64_t u = 0; u < tiles; ++u) {
+      const T* next = u + 1 < tiles ? w + (u + 1) * NB * K + k0 : k1 < kv ? w + k1 : after;
+      typename P::V a[MB][NB];  // in registers for the slice (acc[u] is memory)
+      std::memcpy(static_cast<void*>(a), acc[u], sizeof(a));
+      columns<P, T, MB, NB, HoldW, true>(x, w + u * NB * K, K, k0, k1, a,
+                                         reinterpret_cast<const char*>(next));
+      std::memcpy(static_cast<void*>(acc[u]), a, sizeof(a));
+    }
+  }
+  for (int64_t u = 0; u < tiles; ++u) {
+    typename P::V a[MB][NB];
+    std::memcpy(static_cast<void*>(a), acc[u], sizeof(a));
+    tile_end<P, T, MB, NB>(x, w + u * NB * K, y + u * NB, K, N, kv, a);
+  }
+}
+
+// group_pass for the last `rows` (<= R) rows of x.
+template <typename P, typename T, int NB, int R, bool HoldW>
+void group_rows(const T* x, const T* w, T* y, int64_t rows, int64_t K, int64_t N,
+                int64_t tiles, int64_t slice, const T* after) {
+  if constexpr (R > 0) {
+    if (rows == R) return group_pass<P, T, R, NB, HoldW>(x, w, y, K, N, tiles, slice, after);
+    group_rows<P, T, NB, R - 1, HoldW>(x, w, y, rows, K, N, tiles, slice, after);
+  }
+}
+
+// Tiles [t0, t1) of NB rows of w in groups, K in slices (above); returns where it stopped (the
+// first tile without NB rows).
+template <typename P, typename T, int NB, bool HoldW>
+int64_t run_sliced(const T* xp, const T* wp, T* yp, int64_t M, int64_t K, int64_t N,
+                   int64_t t0, int64_t t1) {
+  constexpr int TR = Tiling<P>::rows;
+  const int64_t steps = K / P::kStep;  // whole steps, split into slices of about equal steps
+  const int64_t most = std::max<int64_t>(1, kPassXBytes / (TR * sizeof(T) * P::kStep));
+  const int64_t slices = std::max<int64_t>(1, (steps + most - 1) / most);
+  const int64_t slice = (steps + slices - 1) / slices * P::kStep;
+  const int64_t full = std::min(t1, N / NB);
+  for (int64_t t = t0; t < full; t += kGroupTiles) {
+    const int64_t tg = std::min(full, t + kGroupTiles);
+    const T* after = tg < full ? wp + tg * NB * K : nullptr;
+    for (int64_t m = 0; m < M; m += TR)
+      group_rows<P, T, NB, TR, HoldW>(xp + m * K, wp + t * NB * K, yp + m * N + t * NB,
+                                     std::min<int64_t>(TR, M - m), K, N, tg - t, slice, after);
+  }
+  return std::max(t0, full);
+}
+
 template <typename P, typename T>
 void run(const T* xp, const T* wp, T* yp, int64_t M, int64_t K, int64_t N) {
   constexpr int NB = kTileCols, TR = Tiling<P>::rows;
   const int64_t tiles = (N + NB - 1) / NB;
   at::parallel_for(0, tiles, 64 / NB, [&](int64_t t0, int64_t t1) {
     int64_t t = t0;
-    if (std::is_same_v<T, float> && TR > kTileRows && M >= 4 * TR)
-      t = TR * K * static_cast<int64_t>(sizeof(T)) > kPassXBytes
-              ? run_blocks<P, T, NB, kTileRows>(xp, wp, yp, M, K, N, t0, t1)
-              : run_blocks<P, T, NB, TR>(xp, wp, yp, M, K, N, t0, t1);
+    if (M >= TR && TR * K * static_cast<int64_t>(sizeof(T)) >
+                       (M >= 2 * TR ? kPassXBytes : kOnePassXBytes))
+      t = TR > kTileRows || M >= 2 * TR  // w held (kTileRows above)
+              ? run_sliced<P, T, NB, true>(xp, wp, yp, M, K, N, t0, t1)
+              : run_sliced<P, T, NB, false>(xp, wp, yp, M, K, N, t0, t1);
+    else if (std::is_same_v<T, float> && TR > kTileRows && M >= 4 * TR)
+      t = run_blocks<P, T, NB>(xp, wp, yp, M, K, N, t0, t1);
     for (; t < t1; ++t) {
       const int64_t n = t * NB, nb = std::min<int64_t>(NB, N - n);
       if (nb == NB && M > Tiling<P>::sequential) {

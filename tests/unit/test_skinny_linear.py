@@ -42,10 +42,10 @@ def test_kernel_matches_float64_matmul(kernel_isa, dtype, m, n, k):
 
 
 @DTYPES
-@pytest.mark.parametrize("k", [520, 1408])  # 1408: 4-row passes over a block (kPassXBytes)
+@pytest.mark.parametrize("k", [520, 1408])  # rows of x too long for L1 at 16+ rows: slices
 def test_a_row_gives_the_same_bits_whatever_its_batch(kernel_isa, dtype, k):
     gen = torch.Generator().manual_seed(7)
-    x = torch.randn(40, k, generator=gen).to(dtype)  # 32 rows and more: blocks of tiles
+    x = torch.randn(40, k, generator=gen).to(dtype)  # 32 rows and more: blocks (or groups) of tiles
     w = torch.randn(301, k, generator=gen).to(dtype)  # and a last tile of one weight row
     batch = kernel_isa.skinny_linear(x, w)
     assert torch.equal(kernel_isa.skinny_linear(x[:20].contiguous(), w), batch[:20])
