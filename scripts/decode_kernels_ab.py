@@ -11,8 +11,8 @@ as PDSERVE_ISA names it). AB_WEIGHT_COPIES=N runs skinny over N copies of the we
 than a 260 MiB L3 holds, so they come from DRAM as a loaded server's would). AB_PEAK=X scales
 prefill's queries by X (20: scores ~20 wide, a peaked softmax whose tiny weights give denormal
 products). AB_SHAPES=OxI,... runs skinny on each [out, in] weight shape apart instead (copies
-of it filling ~96 MiB, on huge pages), at 2-64 rows of x: real models' long rows of x
-(K = 1408-4096) against bench-llama's short ones.
+of it filling ~96 MiB in float32, ~48 in bf16, on huge pages), at 2-64 rows of x: real
+models' long rows of x (K = 1408-4096) against bench-llama's short ones.
 Prints GB/s (GFLOP/s for prefill) of each and NEW/OLD; skinny
 outputs must be equal, the attentions' close (max difference printed).
 """

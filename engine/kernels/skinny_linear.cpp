@@ -88,6 +88,13 @@ template <>
 struct Tiling<Avx512Bf16> : WideTiling {};
 #endif
 
+// Whether a tile over M rows of x holds its w vectors in registers too (kTileRows above):
+// always on the wide tiling, from two passes over w on the others.
+template <typename P>
+constexpr bool holds_w(int64_t M) {
+  return Tiling<P>::rows > kTileRows || M >= 2 * Tiling<P>::rows;
+}
+
 // How far ahead of its loads the single-row stream prefetches w, in bytes. AVX2 (32-byte
 // loads): the hardware prefetcher alone left the single stream at 0.73-0.91 of the streaming
 // read on a Zen 3 EPYC, and 2 KB ahead (a few hundred ns of DRAM latency at ~20 GB/s) gained
@@ -220,7 +227,7 @@ inline void all_rows(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t
                      const char* next = nullptr) {
   constexpr int TR = Tiling<P>::rows;
   int64_t m = 0;
-  if (NB > 1 && (TR > kTileRows || M >= 2 * TR))  // w held (kTileRows above)
+  if (NB > 1 && holds_w<P>(M))
     for (; m + TR <= M; m += TR)
       tile<P, T, TR, NB, true>(x + m * K, w, y + m * N, K, N, next);
   for (; m + TR <= M; m += TR)
@@ -268,13 +275,13 @@ int64_t run_blocks(const T* xp, const T* wp, T* yp, int64_t M, int64_t K, int64_
 
 // Long rows of x do not stay in L1 from one tile to the next: where a pass's rows of x take
 // more than kPassXBytes, every tile read them again from L2 (on a Zen 5 EPYC, 8 rows of float32
-// at K = 1408-4096 read 17-21 GB/s of weights against 28 at K = 512-576; sliced 25-29, 1.26-1.61x
-// at 8 rows, 1.24-1.36x at 16, up to 1.42x at 32-64, bf16 at K = 4096 1.33-1.48x at 8-32 rows;
-// the AVX2 path 1.23-1.28x at K = 4096, scripts/decode_kernels_ab.py-style pairs in
-// bench/results/session23/sliced_ab_*.txt). There tiles go in
-// groups of kGroupTiles, and each pass of rows of x over a group reads K in slices of at most
-// kPassXBytes of x: each tile of the group adds its slice of columns to its sums, kept in
-// `acc` from one slice to the next, and sums them up after the last. The same products summed
+// at K = 1408-4096 read 17-21 GB/s of weights against 28 at K = 512-576; sliced 1.25-1.58x at
+// 8 rows, 1.25-1.35x at 16, up to 1.51x at 32-64, bf16 at K = 4096 1.22-1.49x at 8-64 rows, the
+// AVX2 path 1.11-1.30x at K = 4096: AB_SHAPES scripts/decode_kernels_ab.py, bench/results/
+// session23/sliced_ab_*.txt). There tiles go in groups of kGroupTiles, and each pass of rows
+// of x over a group reads K in slices of at most kPassXBytes of x: each tile of the group adds
+// its slice of columns to its sums, kept in `acc` from one slice to the next, and sums them
+// up after the last. The same products summed
 // in the same order: bit-identical. Each tile prefetches the next one's columns of its slice
 // (after the group's last tile, the first one's next slice; after the last slice, `after`).
 constexpr int64_t kGroupTiles = 8;
@@ -344,9 +351,8 @@ void run(const T* xp, const T* wp, T* yp, int64_t M, int64_t K, int64_t N) {
     int64_t t = t0;
     if (M >= TR && TR * K * static_cast<int64_t>(sizeof(T)) >
                        (M >= 2 * TR ? kPassXBytes : kOnePassXBytes))
-      t = TR > kTileRows || M >= 2 * TR  // w held (kTileRows above)
-              ? run_sliced<P, T, NB, true>(xp, wp, yp, M, K, N, t0, t1)
-              : run_sliced<P, T, NB, false>(xp, wp, yp, M, K, N, t0, t1);
+      t = holds_w<P>(M) ? run_sliced<P, T, NB, true>(xp, wp, yp, M, K, N, t0, t1)
+                        : run_sliced<P, T, NB, false>(xp, wp, yp, M, K, N, t0, t1);
     else if (std::is_same_v<T, float> && TR > kTileRows && M >= 4 * TR)
       t = run_blocks<P, T, NB>(xp, wp, yp, M, K, N, t0, t1);
     for (; t < t1; ++t) {
