@@ -142,8 +142,10 @@ def test_a_tool_call_and_its_result_in_the_history_are_answered(chat) -> None:
                                     {"type": "function", "function": {"name": "get_weather"}}])
 def test_openai_stream_sends_arguments_in_fragments_as_generated(server, chat, choice) -> None:
     """OpenAI's streaming shape with the openai client: the call's first delta has its id,
-    type and name with arguments "", then several chunks carry argument fragments, joined
-    character for character the unstreamed answer's arguments."""
+    type and name with arguments "", then more than one chunk carries argument fragments, joined
+    character for character the unstreamed answer's arguments. Not "more than 3": with
+    tool_choice required the sampled call may be get_time, whose arguments ({"zone": "cet"})
+    the grammar lets grow in three steps only, and a lagging client gets steps merged."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     kw = {"model": client.models.list().data[0].id, "max_tokens": 200, "temperature": 1.0,
           "seed": 3, "messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS,
@@ -157,5 +159,5 @@ def test_openai_stream_sends_arguments_in_fragments_as_generated(server, chat, c
             elif d.function.arguments:
                 fragments.append(d.function.arguments)
     assert first.id and first.type == "function" and first.function.name == whole.name
-    assert first.function.arguments == "" and len(fragments) > 3, fragments
+    assert first.function.arguments == "" and len(fragments) > 1, fragments
     assert "".join(fragments) == whole.arguments
