@@ -6,17 +6,21 @@ decode steps and, inside them, the DecodeStack's call (`CausalLM._run_stack`). T
 the step is the host's work (scheduler, runner, sampler metadata and the model's Python)
 plus the lm_head matmul and the argmax.
 
-usage: python scripts/decode_host_time.py DTYPE B THREADS [STEPS]   (from the repo root)
+usage: [KHASH=<build hash>] python scripts/decode_host_time.py DTYPE B THREADS [STEPS]
+(from the repo root; KHASH as in decode_step_ab.py: an A/B of two builds)
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
 import torch
-from decode_step_ab import prefilled  # the same directory
+from decode_kernels_ab import load  # the same directory: a build by its hash
+from decode_step_ab import prefilled
 
+import engine.kernels as ek
 import engine.kernels.linear as el
 import engine.models.causal_lm as cl
 
@@ -24,6 +28,13 @@ import engine.models.causal_lm as cl
 def main() -> None:
     dtype, batch, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     steps = int(sys.argv[4]) if len(sys.argv) > 4 else 40
+    key = os.environ.get("KHASH")
+    if key:
+        kernels = load(key)
+        for mod in (ek, el):
+            mod.compiled = lambda: kernels
+            mod.linear_kernel = lambda: kernels
+        ek.paged_attention = lambda: kernels
     torch.set_num_threads(threads)
     el.skinny_rows(getattr(torch, dtype))
     spent = [0.0]

@@ -98,8 +98,11 @@ def test_a_measurement_under_load_is_not_stored_and_the_process_runs_a_default(
         monkeypatch.setattr(calibrate, "MAX_OTHERS", 1e9)
         # Long enough to be preempted: with (1024, 256) a measurement that ended at 2 rows
         # (the kernels forced onto AVX2 while MKL keeps AVX-512, CI's AVX2 pass) took a few
-        # ms, got through unpreempted and was rightly stored (2 of 10 runs).
-        monkeypatch.setattr(calibrate, "CALIBRATION_SHAPE", (2048, 1024))
+        # ms, got through unpreempted and was rightly stored (2 of 10 runs); with (2048,
+        # 1024) bf16's rows (4 MiB of weights, the race over at 32 rows) once did in CI. 16
+        # MiB of bf16 a call, 4 times that: a round of a race is then several ms, a time
+        # slice's length (the first noisy round ends the measurement: the test stays short).
+        monkeypatch.setattr(calibrate, "CALIBRATION_SHAPE", (4096, 2048))
     caplog.set_level("INFO", logger="engine.kernels.calibrate")
     out = linear_mod.recalibrate()
     assert out and all(v is None for v in out.values()), out
