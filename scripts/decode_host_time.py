@@ -6,8 +6,10 @@ decode steps and, inside them, the DecodeStack's call (`CausalLM._run_stack`). T
 the step is the host's work (scheduler, runner, sampler metadata and the model's Python)
 plus the lm_head matmul and the argmax.
 
-usage: [KHASH=<build hash>] python scripts/decode_host_time.py DTYPE B THREADS [STEPS]
-(from the repo root; KHASH as in decode_step_ab.py: an A/B of two builds)
+usage: [KHASH=<build hash>] [MODEL=<dir>] python scripts/decode_host_time.py DTYPE B THREADS
+[STEPS] (from the repo root; KHASH as in decode_step_ab.py: an A/B of two builds; MODEL
+another model than bench-llama: .models/tiny-llama's few MiB stay in the caches, its host
+work runs on warm caches)
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def main() -> None:
         return out
 
     cl.CausalLM._run_stack = timed
-    client = prefilled(dtype, batch, steps)
+    client = prefilled(dtype, batch, steps, model=os.environ.get("MODEL", ".models/bench-llama"))
     spent[0] = 0.0
     start = time.perf_counter()
     for _ in range(steps):

@@ -47,25 +47,28 @@ class _Timed:
         return timed
 
 
-def prefilled(dtype: str, batch: int, steps: int, ctx: int = 1024):
-    """An in-process engine (bench-llama, prefix caching off) running `batch` random
+def prefilled(dtype: str, batch: int, steps: int, ctx: int = 1024,
+              model: str = ".models/bench-llama"):
+    """An in-process engine (`model`, prefix caching off) running `batch` random
     `ctx`-token prompts, prefilled and two full decode steps in, with room for `steps` more."""
     from engine.client.inproc import InprocClient
     from engine.config import EngineConfig
+    from engine.models import load_arch
     from engine.protocol import EngineCoreRequest, SamplingParams
 
     # the first prompts decode while the last prefill: room for their extra tokens
     extra = steps + 8 + batch * ctx // 2048
-    config = EngineConfig(model=".models/bench-llama", dtype=dtype, max_num_seqs=batch,
+    config = EngineConfig(model=model, dtype=dtype, max_num_seqs=batch,
                           max_model_len=ctx + extra + 16,
                           num_kv_blocks=batch * ((ctx + extra + 16) // 16 + 1) + 4,
                           block_size=16, max_num_batched_tokens=2048,
                           enable_prefix_caching=False)
     client = InprocClient(config)
     rng = random.Random(0)
+    vocab = load_arch(model).vocab_size
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=extra)
     for i in range(batch):
-        prompt = [rng.randrange(10, 8192) for _ in range(ctx)]
+        prompt = [rng.randrange(10, vocab) for _ in range(ctx)]
         client.add_request(EngineCoreRequest(f"r{i}", prompt, params, None))
     full = 0
     while full < 3:  # the prefills, then two full steps
