@@ -20,9 +20,8 @@ import time
 
 import torch
 from decode_kernels_ab import load  # the same directory: a build by its hash
-from decode_step_ab import prefilled
+from decode_step_ab import prefilled, use_kernels
 
-import engine.kernels as ek
 import engine.kernels.linear as el
 import engine.models.causal_lm as cl
 
@@ -30,13 +29,8 @@ import engine.models.causal_lm as cl
 def main() -> None:
     dtype, batch, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     steps = int(sys.argv[4]) if len(sys.argv) > 4 else 40
-    key = os.environ.get("KHASH")
-    if key:
-        kernels = load(key)
-        for mod in (ek, el):
-            mod.compiled = lambda: kernels
-            mod.linear_kernel = lambda: kernels
-        ek.paged_attention = lambda: kernels
+    if key := os.environ.get("KHASH"):
+        use_kernels(load(key))
     torch.set_num_threads(threads)
     el.skinny_rows(getattr(torch, dtype))
     spent = [0.0]

@@ -47,6 +47,16 @@ class _Timed:
         return timed
 
 
+def use_kernels(kernels):
+    """Every caller of the compiled kernels (linear, the attention, the DecodeStack) gets
+    `kernels` (a build by its hash, or a wrapper) instead of this tree's build."""
+    for mod in (ek, el):
+        mod.compiled = lambda: kernels
+        mod.linear_kernel = lambda: kernels
+    ek.paged_attention = lambda: kernels
+    return kernels
+
+
 def prefilled(dtype: str, batch: int, steps: int, ctx: int = 1024,
               model: str = ".models/bench-llama"):
     """An in-process engine (`model`, prefix caching off) running `batch` random
@@ -80,11 +90,7 @@ def main() -> None:
     dtype, batch, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     steps = int(sys.argv[4]) if len(sys.argv) > 4 else 20
     key = os.environ.get("KHASH")
-    kernels = _Timed(load(key) if key else ek.compiled())
-    for mod in (ek, el):
-        mod.compiled = lambda: kernels
-        mod.linear_kernel = lambda: kernels
-    ek.paged_attention = lambda: kernels
+    kernels = use_kernels(_Timed(load(key) if key else ek.compiled()))
     torch.set_num_threads(threads)
     client = prefilled(dtype, batch, steps)
     kernels.spent.clear()

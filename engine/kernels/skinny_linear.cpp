@@ -281,9 +281,9 @@ int64_t run_blocks(const T* xp, const T* wp, T* yp, int64_t M, int64_t K, int64_
 // session23/sliced_ab_*.txt). There tiles go in groups of kGroupTiles, and each pass of rows
 // of x over a group reads K in slices of at most kPassXBytes of x: each tile of the group adds
 // its slice of columns to its sums, kept in `acc` from one slice to the next, and sums them
-// up after the last. The same products summed
-// in the same order: bit-identical. Each tile prefetches the next one's columns of its slice
-// (after the group's last tile, the first one's next slice; after the last slice, `after`).
+// up after the last. The same products summed in the same order: bit-identical. Each tile
+// prefetches the next one's columns of its slice (after the group's last tile, the first
+// one's next slice; after the last slice, `after`).
 constexpr int64_t kGroupTiles = 8;
 
 template <typename P, typename T, int MB, int NB, bool HoldW>
