@@ -3,17 +3,19 @@
 - the skinny_linear threshold: up to how many rows the kernel beats the gemm `linear` uses
   beyond it (`large_linear`), per (dtype, threads, kernel path, the loaded model's layer
   shapes): those weights (`set_gemm_shapes`; before a model is loaded one weight of
-  CALIBRATION_SHAPE, larger than a core's L2 as a model's weights are) times 1, 2, 4, ...
-  128 random rows (on the calibration shape the AVX-512 kernel beat the gemm to 128 rows at
-  1 thread where on the bench model's layers MKL is 1.1x faster from 64); the largest row
-  count up to which the kernel is not slower, counted from
-  its first win (at 1 row the BLAS gemv can tie it), 0 if it never wins. The first loss after
-  that ends it: the kernel's lead only shrinks with rows, so a later "win" is a close race
-  that noise decided (one such, at 128 rows, put 1-thread 128-token prefills of the bench
-  model on the kernel at 1.26x their gemm time). A loss within TIE of the gemm is a tie: it
-  neither counts nor ends the count (on an Intel Xeon whose L3 holds the weight, MKL's gemv
-  tied the kernel at 1 and 2 rows, 0.99 and 1.01-1.03, then its gemm took 1.9-2.2x the
-  kernel's time at 4-8 rows: a threshold of 1 put batch-8 decodes on that gemm);
+  CALIBRATION_SHAPE, larger than a core's L2 as a model's weights are), as many copies as the
+  model has layers up to twice the last cache (`streamed_copies`: where a step's weights
+  outgrow the cache it reads them from memory), times 1, 2, 4, ... 128 random rows (on the
+  calibration shape the AVX-512 kernel beat the gemm to 128 rows at 1 thread where on the
+  bench model's layers MKL is 1.1x faster from 64); the largest row count up to which the
+  kernel is not slower, counted from its first win (at 1 row the BLAS gemv can tie it), 0 if
+  it never wins. The first loss after that ends it: the kernel's lead only shrinks with rows,
+  so a later "win" is a close race that noise decided (one such, at 128 rows, put 1-thread
+  128-token prefills of the bench model on the kernel at 1.26x their gemm time). A loss within
+  TIE of the gemm is a tie: it neither counts nor ends the count (on an Intel Xeon whose L3
+  holds the weight, MKL's gemv tied the kernel at 1 and 2 rows, 0.99 and 1.01-1.03, then its
+  gemm took 1.9-2.2x the kernel's time at 4-8 rows: a threshold of 1 put batch-8 decodes on
+  that gemm);
 - the float32 gemm: from how many rows (MKL_ROWS, largest first: the smallest count from
   which it wins at every larger one; 0 where it loses at the largest) F.linear (MKL) beats
   oneDNN's matmul, which takes the rows below it. The winner depends on
@@ -90,6 +92,8 @@ ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 GEMM_ROWS = (256, 2048)  # a short prefill chunk's rows, and a default full one
 MKL_ROWS = (1024, 512, 256, 128, 64)  # F.linear (MKL) rather than oneDNN from one of these on
 SHAPES_ELEMENTS = 1 << 22  # a model's layer shapes at most this many weights together (16 MiB)
+LAST_CACHE_BYTES = 32 << 20  # where sysfs tells no cache size
+STREAMED_BYTES_MAX = 256 << 20  # a skinny-threshold measurement's weights at most
 WIDEN_ROWS = (512, 256, 128, 64)  # bf16 gemms widened to float32 from one of these rows on
 ATTENTION_SHAPE = (512, 8, 4, 64)  # bf16 prefill attention: tokens, heads, kv heads, head_dim
 ROUNDS = 7
@@ -287,12 +291,40 @@ def race(fns: Sequence[Callable[[], Any]], watch: Watch | None = None,
 # --- the measurements --------------------------------------------------------------------
 
 
-def _operands(dtype: torch.dtype, rows: Sequence[int], shapes: Sequence[tuple[int, int]]
-              ) -> tuple[list[torch.Tensor], list[dict[int, torch.Tensor]]]:
-    """Weights of `shapes` (`scaled_shapes`; () : CALIBRATION_SHAPE) and, per row count, an x
-    of those rows for each inner size."""
+def last_cache_bytes() -> int:
+    """The largest data cache one CPU of this machine sees (its L3 where it has one), from
+    sysfs; LAST_CACHE_BYTES where it says nothing."""
+    sizes = [0]
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        with contextlib.suppress(OSError, ValueError):
+            text = Path(path).read_text().strip().upper()
+            unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * unit)
+    return max(sizes) or LAST_CACHE_BYTES
+
+
+def streamed_copies(dtype: torch.dtype, shapes: Sequence[tuple[int, int]], layers: int) -> int:
+    """How many copies of the weights of `shapes` (`scaled_shapes`; () : CALIBRATION_SHAPE) a
+    skinny-threshold measurement cycles through: the model's `layers`, up to twice the last
+    cache (at most STREAMED_BYTES_MAX). A decode step reads every layer's weights once, so where
+    they outgrow the cache they come from memory, and the kernel, which streams a weight once,
+    gains on the gemm, which is bound by its FLOPs: bench-llama's bf16 layers (6 MiB, 8 of
+    them) on a Zen 5 EPYC with 32 MiB of L3, 32 rows: the kernel 1.04x / 0.95x the gemm's time
+    (1 / 2 threads) on one layer's weights in the cache, 0.87x / 0.77x on the 8 layers'
+    (scripts/skinny_vs_gemm.py)."""
+    one = sum(o * i for o, i in (scaled_shapes(shapes) if shapes else [CALIBRATION_SHAPE]))
+    one *= torch.empty((), dtype=dtype).element_size()
+    want = min(2 * last_cache_bytes(), STREAMED_BYTES_MAX)
+    return max(1, min(layers, -(-want // max(one, 1))))
+
+
+def _operands(dtype: torch.dtype, rows: Sequence[int], shapes: Sequence[tuple[int, int]],
+              copies: int = 1) -> tuple[list[torch.Tensor], list[dict[int, torch.Tensor]]]:
+    """`copies` copies of the weights of `shapes` (`scaled_shapes`; () : CALIBRATION_SHAPE),
+    each a tensor of its own, and, per row count, an x of those rows for each inner size."""
     gen = torch.Generator().manual_seed(0)
     ws = [torch.randn(*s, generator=gen).to(dtype)
+          for _ in range(copies)
           for s in (scaled_shapes(shapes) if shapes else [CALIBRATION_SHAPE])]
     ins = sorted({w.shape[1] for w in ws})
     return ws, [{i: torch.randn(m, i, generator=gen).to(dtype) for i in ins} for m in rows]
@@ -304,13 +336,13 @@ def _on_all(gemm: Gemm, ws: list[torch.Tensor], x: dict[int, torch.Tensor]
 
 
 def measure(kernel, dtype: torch.dtype, gemm: Gemm, stop_on_noise: bool = True,
-            shapes: Sequence[tuple[int, int]] = ()) -> Measured:
+            shapes: Sequence[tuple[int, int]] = (), layers: int = 1) -> Measured:
     """Largest row count in ROWS up to which kernel.skinny_linear is not slower than `gemm`,
     from its first win on (module docstring), on weights of `shapes` (each call times all of
-    them) or CALIBRATION_SHAPE."""
+    them) or CALIBRATION_SHAPE, as many copies as `streamed_copies` counts for `layers`."""
     if (noise := Watch.probe(torch.get_num_threads())) and stop_on_noise:
         return Measured(None, noise)
-    ws, xs = _operands(dtype, ROWS, shapes)
+    ws, xs = _operands(dtype, ROWS, shapes, streamed_copies(dtype, shapes, layers))
     _on_all(gemm, ws, xs[-1])()  # settles the gemm's own choices before the watch starts
     watch, best = Watch(torch.get_num_threads()), 0
     for m, x in zip(ROWS, xs, strict=True):
@@ -472,9 +504,11 @@ def _path(isa: str) -> str:
 
 
 def threshold_key(dtype: torch.dtype, threads: int, isa: str,
-                  shapes: Sequence[tuple[int, int]] = ()) -> str:
-    # ":gemm2": measured against large_linear (keys without it were against F.linear)
-    return f"{str(dtype).removeprefix('torch.')}:{threads}:{_path(isa)}:gemm2{_shapes_tail(shapes)}"
+                  shapes: Sequence[tuple[int, int]] = (), layers: int = 1) -> str:
+    # ":gemm3": measured against large_linear on the weights of every layer (`streamed_copies`;
+    # ":gemm2" keys were one layer's, in the cache; keys without either were against F.linear)
+    tail = _shapes_tail(shapes) + (f"*{layers}" if layers > 1 else "")
+    return f"{str(dtype).removeprefix('torch.')}:{threads}:{_path(isa)}:gemm3{tail}"
 
 
 def gemm_key(threads: int, isa: str, shapes: Sequence[tuple[int, int]] = ()) -> str:

@@ -72,7 +72,8 @@ def _skinny_now(dtype: torch.dtype) -> tuple[int, ModuleType | None]:
     kernel, threads = linear_kernel(), torch.get_num_threads()
     rows = skinny_rows(dtype)
     if (kernel is None or dtype not in (torch.float32, torch.bfloat16)
-            or (dtype, threads, kernel.get_isa(), _gemm_shapes) in _thresholds.final):
+            or (dtype, threads, kernel.get_isa(), _gemm_shapes, _gemm_layers)
+            in _thresholds.final):
         _skinny[(dtype, threads)] = (rows, kernel)  # final: it no longer changes
     return rows, kernel
 
@@ -179,16 +180,18 @@ _mkl_from = calibrate.Choices(
 
 # The loaded model's layer weight shapes ([out, in]; a TP rank's shard), which the skinny
 # threshold and the float32 gemm's choice are measured on; () before a model is loaded: the
-# calibration shape.
+# calibration shape. And its layer count: the skinny threshold is measured on as many copies
+# (calibrate.streamed_copies), read from memory where they outgrow the cache, as a step's are.
 _gemm_shapes: tuple[tuple[int, int], ...] = ()
+_gemm_layers = 1
 
 
-def set_gemm_shapes(shapes: list[tuple[int, int]]) -> None:
+def set_gemm_shapes(shapes: list[tuple[int, int]], layers: int = 1) -> None:
     """The model this process runs: the skinny threshold and the float32 gemm's choice are
-    measured on these shapes (its layer weights')."""
-    global _gemm_shapes
-    if tuple(shapes) != _gemm_shapes:
-        _gemm_shapes = tuple(shapes)
+    measured on these shapes (its layer weights'), the threshold on `layers` of them."""
+    global _gemm_shapes, _gemm_layers
+    if (tuple(shapes), layers) != (_gemm_shapes, _gemm_layers):
+        _gemm_shapes, _gemm_layers = tuple(shapes), layers
         _skinny.clear()  # linear's cache of the threshold: another model's
 
 
@@ -240,9 +243,9 @@ def kernel_sgemm(threads: int) -> bool:
 
 _thresholds = calibrate.Choices(
     "skinny_linear rows", calibrate.threshold_key,
-    lambda dtype, threads, isa, shapes: calibrate.measure(linear_kernel(), dtype, large_linear,
-                                                          shapes=shapes),
-    lambda dtype, threads, isa, shapes: calibrate.DEFAULT_ROWS)
+    lambda dtype, threads, isa, shapes, layers: calibrate.measure(
+        linear_kernel(), dtype, large_linear, shapes=shapes, layers=layers),
+    lambda dtype, threads, isa, shapes, layers: calibrate.DEFAULT_ROWS)
 
 
 def skinny_rows(dtype: torch.dtype) -> int:
@@ -252,7 +255,8 @@ def skinny_rows(dtype: torch.dtype) -> int:
     kernel = linear_kernel()
     if kernel is None or dtype not in (torch.float32, torch.bfloat16):
         return 0
-    return _thresholds(dtype, torch.get_num_threads(), kernel.get_isa(), _gemm_shapes)
+    return _thresholds(dtype, torch.get_num_threads(), kernel.get_isa(), _gemm_shapes,
+                       _gemm_layers)
 
 
 def recalibrate() -> dict[str, int | None]:
@@ -273,7 +277,8 @@ def recalibrate() -> dict[str, int | None]:
     if sgemm_kernel() is not None:
         runs["float32_sgemm"] = (_sgemm, (threads, isa, shapes))
     for dtype in (torch.float32, torch.bfloat16):
-        runs[str(dtype).removeprefix("torch.")] = (_thresholds, (dtype, threads, isa, shapes))
+        runs[str(dtype).removeprefix("torch.")] = (_thresholds,
+                                                   (dtype, threads, isa, shapes, _gemm_layers))
     runs["bfloat16_widen"] = (_widen, (threads, isa))
     if isa == "avx512_bf16":
         runs["bfloat16_attention_pairs"] = (_attn_pairs, (threads, isa))

@@ -47,5 +47,6 @@ def load_model(model_dir: str, dtype: str = "auto", device: str = "cpu", *,
     model = family_of(arch.architecture).build(arch, torch_dtype, torch.device(device),
                                                tp_rank=tp_rank, tp_size=tp_size, comm=comm)
     load_weights(model, model_dir)
-    set_gemm_shapes(model.layer_gemm_shapes())  # the float32 gemm's choice is measured on them
+    # the skinny threshold and the float32 gemm's choice are measured on them
+    set_gemm_shapes(model.layer_gemm_shapes(), len(model.layers))
     return model.eval()

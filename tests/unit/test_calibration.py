@@ -27,6 +27,7 @@ def store(tmp_path, monkeypatch):
     # no model's shapes from an earlier test: the measurements run on CALIBRATION_SHAPE, which
     # the tests size
     monkeypatch.setattr(linear_mod, "_gemm_shapes", ())
+    monkeypatch.setattr(linear_mod, "_gemm_layers", 1)
     monkeypatch.setattr(linear_mod, "_skinny", {})
     if linear_mod.linear_kernel() is None:
         pytest.skip("no CPU kernels on this machine")
@@ -111,7 +112,7 @@ def test_a_measurement_under_load_is_not_stored_and_the_process_runs_a_default(
     assert linear_mod.onednn_sgemm(256, 1)  # oneDNN's matmul meanwhile
     assert _stored(store) == {}
     value, retry_at, _ = linear_mod._thresholds.pending[(torch.float32, 1, store_isa(),
-                                                         linear_mod._gemm_shapes)]
+                                                         linear_mod._gemm_shapes, 1)]
     assert value == calibrate.DEFAULT_ROWS and retry_at > time.monotonic()
     want = "other tasks runnable" if check == "load" else "waited for a CPU"
     assert want in caplog.text

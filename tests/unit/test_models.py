@@ -189,6 +189,7 @@ def test_loading_a_model_sets_the_shapes_its_gemm_choice_is_measured_on(tiny_mod
             (2 * a.intermediate_size, a.hidden_size), (a.hidden_size, a.intermediate_size)]
     assert model.layer_gemm_shapes() == want
     assert linear_mod._gemm_shapes == tuple(want)
+    assert linear_mod._gemm_layers == a.num_layers == len(model.layers)
     assert tuple(layer.down_weight.shape) == want[3]
 
 

@@ -132,26 +132,53 @@ def test_measure_from_counts_a_loss_within_tie_as_a_tie(monkeypatch, slower, wan
 
 
 def test_the_skinny_threshold_is_measured_on_the_shapes_given(monkeypatch):
-    """calibrate.measure times the kernel and the gemm on every one of the model's shapes."""
+    """calibrate.measure times the kernel and the gemm on every one of the model's shapes, in
+    as many copies (tensors of their own) as `streamed_copies` counts for its layers."""
     monkeypatch.setattr(calibrate, "ROWS", (1, 2))
     shapes = [(96, 32), (32, 32), (256, 32), (32, 128)]
-    seen = set()
+    one = 4 * sum(o * i for o, i in shapes)  # one layer's float32 bytes
+    monkeypatch.setattr(calibrate, "last_cache_bytes", lambda: 2 * one)  # 4 layers: twice it
+    seen, weights = set(), set()
 
     class Kernel:
         @staticmethod
         def skinny_linear(x, w):
             seen.add(("kernel", x.shape[1], tuple(w.shape)))
+            weights.add(("kernel", w.data_ptr()))
 
     def gemm(x, w):
         seen.add(("gemm", x.shape[1], tuple(w.shape)))
+        weights.add(("gemm", w.data_ptr()))
 
-    calibrate.measure(Kernel(), torch.float32, gemm, stop_on_noise=False, shapes=shapes)
+    calibrate.measure(Kernel(), torch.float32, gemm, stop_on_noise=False, shapes=shapes,
+                      layers=6)
     assert seen == {(who, i, (o, i)) for who in ("kernel", "gemm") for o, i in shapes}
+    assert len(weights) == 2 * 4 * len(shapes)  # 4 copies (of 6 layers) each
     for cap in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
         monkeypatch.delenv(cap, raising=False)
     assert calibrate.threshold_key(torch.float32, 2, "avx2", shapes) == \
-        "float32:2:avx2:gemm2:96x32,32x32,256x32,32x128"
+        "float32:2:avx2:gemm3:96x32,32x32,256x32,32x128"
+    assert calibrate.threshold_key(torch.float32, 2, "avx2", shapes, 6) == \
+        "float32:2:avx2:gemm3:96x32,32x32,256x32,32x128*6"
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # the capped library's choices apart
     assert calibrate.threshold_key(torch.float32, 2, "avx2", shapes) == \
-        "float32:2:avx2+ONEDNN_MAX_CPU_ISA=AVX2:gemm2:96x32,32x32,256x32,32x128"
+        "float32:2:avx2+ONEDNN_MAX_CPU_ISA=AVX2:gemm3:96x32,32x32,256x32,32x128"
     assert calibrate.widen_key(1, "avx2") == "bfloat16:1:avx2+ONEDNN_MAX_CPU_ISA=AVX2:widen"
+
+
+def test_the_skinny_threshold_streams_as_many_layers_as_outgrow_the_cache(monkeypatch):
+    """A decode step reads every layer's weights once: the threshold's measurement cycles
+    through the model's layers up to twice the last cache (then they come from memory as the
+    step's do), at most STREAMED_BYTES_MAX, one copy at least."""
+    assert calibrate.last_cache_bytes() >= 1 << 20  # this machine's, read from sysfs
+    shapes = [(1024, 512), (512, 512), (2816, 512), (512, 1408)]  # bench-llama's
+    one = sum(o * i for o, i in shapes)  # elements of one layer (under SHAPES_ELEMENTS)
+    monkeypatch.setattr(calibrate, "last_cache_bytes", lambda: 32 << 20)
+    assert calibrate.streamed_copies(torch.bfloat16, shapes, 8) == 8  # 47 MB: all
+    assert calibrate.streamed_copies(torch.float32, shapes, 8) == -(-(64 << 20) // (4 * one))
+    assert calibrate.streamed_copies(torch.float32, shapes, 2) == 2  # a small model: in cache
+    assert calibrate.streamed_copies(torch.float32, shapes, 1) == 1
+    assert calibrate.streamed_copies(torch.float32, (), 1) == 1  # no model: one weight
+    monkeypatch.setattr(calibrate, "last_cache_bytes", lambda: 1 << 30)  # a huge L3: capped
+    assert calibrate.streamed_copies(torch.float32, shapes, 1000) == \
+        -(-calibrate.STREAMED_BYTES_MAX // (4 * one))
