@@ -51,8 +51,9 @@ rounds and each keeps its minimum; and the measurement is *noisy*, and never sto
 - other processes ran on this process's CPUs more than the CPUs its threads leave free plus
   MAX_OTHERS (the machine's load, /proc/stat), or
 - another process is measuring (the store's lock is held).
-A look at the machine's runnable tasks (/proc/loadavg) comes first, so a loaded machine
-costs a few milliseconds, not a measurement; a noisy measurement stops at its first noisy
+A look at the machine's runnable tasks (/proc/loadavg, less this process's own: its OpenMP
+workers spin a while after a region) comes first, so a loaded machine costs a few
+milliseconds, not a measurement; a noisy measurement stops at its first noisy
 step. The process then runs a safe default (DEFAULT_ROWS; float32 gemms beyond them on
 oneDNN, never MKL: linear.py) or the stored value it was checking, and measures again after
 RETRY_S (doubling up to RETRY_MAX_S), and every new process tries again at its first use.
@@ -197,6 +198,20 @@ def _run_delay_s() -> float:
     return total / 1e9
 
 
+def _own_runnable() -> int:
+    """This process's threads runnable now (at least this one). Right after a parallel
+    region its OpenMP workers spin, runnable, for GOMP_SPINCOUNT iterations (300 000 by
+    default, a few ms here; the server sets fewer, engine/threads.py): counted as others,
+    they had made every 2-thread measurement on a 2-core machine noisy in a process that
+    had just run a model's step (`pdserve bench roofline`, an offline LLM)."""
+    count = 0
+    for path in glob.glob("/proc/self/task/*/stat"):
+        with contextlib.suppress(OSError, ValueError):
+            text = Path(path).read_text()
+            count += text[text.rindex(")") + 2] == "R"
+    return max(1, count)
+
+
 def _busy_s(cpus: frozenset[int]) -> float:
     """CPU seconds spent on `cpus` by anyone since boot (/proc/stat), 0 where unknown."""
     hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -240,8 +255,9 @@ class Watch:
     @classmethod
     def probe(cls, threads: int) -> str | None:
         """The others' load now, cheaply, before a measurement: the fewest runnable tasks of
-        three looks at /proc/loadavg a few ms apart, less this thread, where this process may
-        run on every CPU (the count is the machine's); else their CPU time over PROBE_S."""
+        three looks at /proc/loadavg a few ms apart, less this process's own runnable threads
+        (`_own_runnable`), where this process may run on every CPU (the count is the
+        machine's); else their CPU time over PROBE_S."""
         cpus = os.sched_getaffinity(0)
         free = max(0, len(cpus) - max(1, threads))
         if len(cpus) == os.cpu_count():
@@ -249,7 +265,8 @@ class Watch:
             for i in range(3):
                 with contextlib.suppress(OSError, ValueError, IndexError):
                     with open("/proc/loadavg") as f:
-                        runnable.append(int(f.read().split()[3].split("/")[0]) - 1)
+                        running = int(f.read().split()[3].split("/")[0])
+                    runnable.append(running - _own_runnable())
                 if i < 2:
                     time.sleep(0.002)
             if runnable:

@@ -238,3 +238,23 @@ def test_no_two_processes_measure_at_once(store):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_the_load_probe_counts_this_processs_spinning_workers_as_its_own():
+    """Right after a parallel region torch's OpenMP workers spin, runnable, before they sleep.
+    They are this process's, not another's load: counted as others, they had made every
+    2-thread measurement on a 2-core machine noisy in a process that had just run a model
+    step. With OMP_WAIT_POLICY=active they spin for ever, so the count is certain."""
+    code = (
+        "import torch\n"
+        "from engine.kernels import calibrate\n"
+        "torch.set_num_threads(2)\n"
+        "x = torch.ones(1 << 22)\n"
+        "for _ in range(20):\n"
+        "    x.add_(1)  # at::parallel_for: the pool's second thread joins, then spins\n"
+        "print(calibrate._own_runnable())\n")
+    env = {**os.environ, "OMP_WAIT_POLICY": "active", "OMP_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120, check=True)
+    assert int(out.stdout.split()[-1]) >= 2, out.stdout
+    assert calibrate._own_runnable() >= 1  # this thread, at least
